@@ -1,0 +1,198 @@
+"""Find copies of buffer-sized arrays that run on every iteration of a compiled loop."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from collections.abc import Callable
+from typing import Any
+
+import jax
+
+__all__ = ["LoopCopy", "find_loop_copies", "assert_in_place", "loop_copies_in_hlo"]
+
+_BYTES = {
+    "pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2,
+    "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16,
+    "f8e4m3fn": 1, "f8e5m2": 1, "s4": 1, "u4": 1,
+}  # fmt: skip
+
+_COMP = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s+(?:\(.*\)\s+->\s+.*\s+)?\{\s*$")
+_CALLEE = re.compile(
+    r"(?:calls|body|condition|to_apply|true_computation|false_computation)=%?([\w.\-]+)"
+)
+_BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
+_BODY = re.compile(r"body=%?([\w.\-]+)")
+_COPY = re.compile(
+    r"^(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*?)\s+(copy|copy-start)\((.*)$"
+)
+_ARRAY = re.compile(r"(\w+)\[([\d,]*)\]")
+_OP_NAME = re.compile(r'op_name="([^"]*)"')
+_SOURCE = re.compile(r'source_file="([^"]*)"\s+source_line=(\d+)')
+
+
+@dataclasses.dataclass(frozen=True)
+class LoopCopy:
+    """One copy instruction that runs on every iteration of a compiled loop.
+
+    **Fields:**
+
+    - `computation`: the HLO computation (a loop body, or one it calls) holding it.
+    - `instruction`: the HLO instruction name.
+    - `shape`: the copied array's shape, as in the HLO (`f32[100,1001]`).
+    - `nbytes`: its size in bytes.
+    - `op_name`: the JAX op name from the HLO metadata (which primitive, under which
+      transformations), or `""`.
+    - `source`: `file:line` of the Python code that produced it, or `""`.
+    """
+
+    computation: str
+    instruction: str
+    shape: str
+    nbytes: int
+    op_name: str
+    source: str
+
+    def __str__(self) -> str:
+        where = f" at {self.source}" if self.source else ""
+        op = f" from {self.op_name}" if self.op_name else ""
+        return (
+            f"copy of {self.shape} ({self.nbytes} bytes) in loop computation "
+            f"{self.computation!r}{op}{where}"
+        )
+
+
+def _parse(hlo: str) -> dict[str, list[str]]:
+    comps: dict[str, list[str]] = {}
+    current = None
+    for line in hlo.splitlines():
+        stripped = line.strip()
+        if current is None:
+            m = _COMP.match(stripped)
+            if m and not stripped.startswith("HloModule"):
+                current = m.group(1)
+                comps[current] = []
+            continue
+        if stripped == "}":
+            current = None
+            continue
+        comps[current].append(stripped)
+    return comps
+
+
+def _nbytes(shape_text: str) -> tuple[int, str]:
+    """Largest array in an HLO shape (a tuple for `copy-start`), and its text."""
+    best, text = 0, shape_text
+    for m in _ARRAY.finditer(shape_text):
+        dtype, dims = m.group(1), m.group(2)
+        if dtype not in _BYTES:
+            continue
+        n = _BYTES[dtype] * math.prod(int(d) for d in dims.split(",") if d)
+        if n > best:
+            best, text = n, m.group(0)
+    return best, text
+
+
+def loop_copies_in_hlo(hlo: str, min_bytes: int = 1 << 16) -> list[LoopCopy]:
+    """The per-iteration copies of at least `min_bytes` in compiled HLO text.
+
+    **Arguments:**
+
+    - `hlo`: the text of a compiled module (`jax.jit(f).lower(...).compile().as_text()`).
+    - `min_bytes`: smaller copies are ignored.
+
+    **Returns:**
+
+    A list of [`eqx_shiftbuf.LoopCopy`][], in program order.
+    """
+    comps = _parse(hlo)
+    calls: dict[str, set[str]] = {c: set() for c in comps}
+    bodies: list[str] = []
+    for comp, lines in comps.items():
+        for line in lines:
+            calls[comp].update(_CALLEE.findall(line))
+            bodies.extend(_BODY.findall(line))
+            for group in _BRANCHES.findall(line):
+                calls[comp].update(b.strip().lstrip("%") for b in group.split(","))
+    in_loop: set[str] = set()
+    stack = list(bodies)
+    while stack:
+        comp = stack.pop()
+        if comp in in_loop or comp not in comps:
+            continue
+        in_loop.add(comp)
+        stack.extend(calls[comp])
+    out = []
+    for comp in comps:
+        if comp not in in_loop:
+            continue
+        for line in comps[comp]:
+            m = _COPY.match(line)
+            if m is None:
+                continue
+            nbytes, shape = _nbytes(m.group(2))
+            if nbytes < min_bytes:
+                continue
+            op = _OP_NAME.search(line)
+            src = _SOURCE.search(line)
+            out.append(
+                LoopCopy(
+                    computation=comp,
+                    instruction=m.group(1),
+                    shape=shape,
+                    nbytes=nbytes,
+                    op_name=op.group(1) if op else "",
+                    source=f"{src.group(1)}:{src.group(2)}" if src else "",
+                )
+            )
+    return out
+
+
+def _compiled_text(fn: Callable, args, kwargs) -> str:
+    jitted = fn if hasattr(fn, "lower") else jax.jit(fn)
+    return jitted.lower(*args, **kwargs).compile().as_text()
+
+
+def find_loop_copies(
+    fn: Callable, *args: Any, min_bytes: int = 1 << 16, **kwargs: Any
+) -> list[LoopCopy]:
+    """Compile `fn(*args, **kwargs)` and list the copies that run on every loop iteration.
+
+    A copy of a loop-carried buffer inside a `while` body (what `lax.scan`,
+    `lax.fori_loop` and `esb.scan` compile to), or inside a computation such a body
+    calls, means XLA could not update that buffer in place: every iteration pays for
+    the whole buffer. This finds `copy` and `copy-start` instructions of at least
+    `min_bytes` in loop bodies, after XLA's optimisations.
+
+    **Arguments:**
+
+    - `fn`: the function, jitted or not (it is wrapped in `jax.jit` if needed).
+    - `*args`, `**kwargs`: what to call it with. Arrays or `jax.ShapeDtypeStruct`s.
+    - `min_bytes`: ignore smaller copies (default 64 KiB). Choose it below the size of
+      the buffer you care about and above the size of a window.
+
+    **Returns:**
+
+    A list of [`eqx_shiftbuf.LoopCopy`][]: shape, bytes, the JAX op name and source
+    line recorded in the HLO metadata. Empty when every loop updates in place.
+    """
+    return loop_copies_in_hlo(_compiled_text(fn, args, kwargs), min_bytes)
+
+
+def assert_in_place(
+    fn: Callable, *args: Any, min_bytes: int = 1 << 16, **kwargs: Any
+) -> None:
+    """Raise `AssertionError` if `fn(*args, **kwargs)` copies a buffer in a loop.
+
+    **Arguments:** as for [`eqx_shiftbuf.find_loop_copies`][].
+
+    **Returns:** nothing. The error lists every copy found, one per line.
+    """
+    copies = find_loop_copies(fn, *args, min_bytes=min_bytes, **kwargs)
+    if copies:
+        lines = "\n".join(f"  - {c}" for c in copies)
+        raise AssertionError(
+            f"{len(copies)} per-iteration copies of arrays of at least {min_bytes} "
+            f"bytes in the compiled loops of {getattr(fn, '__name__', fn)!r}:\n{lines}"
+        )

@@ -1,0 +1,443 @@
+"""The buffer operations, for plain arrays, `ShiftBuffer`s and Equinox buffers.
+
+Each public function validates its arguments at trace time (and traced indices at run
+time, through `equinox.error_if`), then binds one primitive from `_primitives`.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, Union
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jaxtyping import Array, ArrayLike, Int
+
+from . import _primitives as P, _tokens
+
+
+if TYPE_CHECKING:
+    from ._buffer import ShiftBuffer
+
+try:  # Equinox's loop buffers; private, so tolerate their absence.
+    from equinox.internal._loop.common import _Buffer as _EqxBuffer
+except ImportError:  # pragma: no cover
+    _EqxBuffer = ()
+
+Index = Union[int, Int[ArrayLike, ""]]
+IndexTuple = Union[Index, Sequence[Index]]
+BufferLike = Union[Array, "ShiftBuffer", Any]
+
+
+# ---------------------------------------------------------------------------
+# Validation.
+
+
+def normalise_axis(axis: Any, ndim: int, argname: str = "axis") -> int:
+    """`axis` as a non-negative int, or a `ValueError` that says what was wrong."""
+    if isinstance(axis, bool) or not isinstance(axis, (int, np.integer)):
+        raise TypeError(f"`{argname}` must be a Python int; got {axis!r}.")
+    if not -ndim <= axis < ndim:
+        raise ValueError(
+            f"`{argname}`={axis} is out of range for a buffer with {ndim} dimensions "
+            f"(valid: {-ndim} to {ndim - 1})."
+        )
+    return int(axis) % ndim
+
+
+def _is_concrete_int(i: Any) -> bool:
+    return isinstance(i, (int, np.integer)) and not isinstance(i, bool)
+
+
+def _check_scalar_index(i: Any, argname: str, pos: int, bound: int) -> jax.Array:
+    """One index entry as an int32 scalar, checked against `[0, bound]`."""
+    what = f"`{argname}`[{pos}]"
+    if isinstance(i, bool) or isinstance(i, np.bool_):
+        raise TypeError(f"{what} must be an integer; got the bool {i!r}.")
+    if _is_concrete_int(i):
+        if not 0 <= i <= bound:
+            raise IndexError(
+                f"{what}={int(i)} is out of range: valid values are 0 to {bound}."
+            )
+        return jnp.int32(i)
+    if isinstance(i, float):
+        raise TypeError(f"{what} must be an integer; got the float {i!r}.")
+    try:
+        arr = jnp.asarray(i)
+    except TypeError as e:
+        raise TypeError(f"{what} must be an integer scalar; got {i!r}.") from e
+    if not jnp.issubdtype(arr.dtype, jnp.integer):
+        raise TypeError(
+            f"{what} must be an integer scalar; got an array of dtype {arr.dtype}."
+        )
+    if arr.ndim != 0:
+        raise TypeError(
+            f"{what} must be a scalar (0-d); got an array of shape {arr.shape}. "
+            "Use jax.vmap to apply an operation at many indices."
+        )
+    arr = arr.astype(jnp.int32)
+    if not isinstance(arr, jax.core.Tracer):
+        value = int(arr)
+        if not 0 <= value <= bound:
+            raise IndexError(
+                f"{what}={value} is out of range: valid values are 0 to {bound}."
+            )
+        return arr
+    return eqx.error_if(
+        arr,
+        (arr < 0) | (arr > bound),
+        f"{what} is out of range: valid values are 0 to {bound}.",
+    )
+
+
+def _index_entries(index: Any, argname: str, count: int, what: str) -> list[Any]:
+    if isinstance(index, (tuple, list)):
+        entries = list(index)
+    elif count == 1:
+        entries = [index]
+    else:
+        raise TypeError(
+            f"`{argname}` must be a tuple of {count} integer scalars ({what}); "
+            f"got {index!r}."
+        )
+    if len(entries) != count:
+        raise ValueError(
+            f"`{argname}` must have {count} entries ({what}); got {len(entries)}."
+        )
+    return entries
+
+
+def check_index(
+    index: Any, shape: tuple[int, ...], axis: int, argname: str = "index"
+) -> list[jax.Array]:
+    """An insert/delete/pop index: one entry per dimension up to and including `axis`."""
+    entries = _index_entries(
+        index, argname, axis + 1, f"one per dimension up to and including axis {axis}"
+    )
+    return [
+        _check_scalar_index(i, argname, k, shape[k] - 1) for k, i in enumerate(entries)
+    ]
+
+
+def check_starts(
+    starts: Any, shape: tuple[int, ...], sizes: Sequence[int], argname: str
+) -> list[jax.Array]:
+    """Start indices of a window of `sizes` that must lie inside `shape`."""
+    entries = _index_entries(starts, argname, len(shape), "one per buffer dimension")
+    return [
+        _check_scalar_index(i, argname, k, shape[k] - sizes[k])
+        for k, i in enumerate(entries)
+    ]
+
+
+def check_sizes(sizes: Any, shape: tuple[int, ...]) -> tuple[int, ...]:
+    if not isinstance(sizes, (tuple, list)):
+        raise TypeError(f"`slice_sizes` must be a tuple of ints; got {sizes!r}.")
+    if len(sizes) != len(shape):
+        raise ValueError(
+            f"`slice_sizes` must have one entry per buffer dimension ({len(shape)}); "
+            f"got {len(sizes)}."
+        )
+    out = []
+    for k, (s, n) in enumerate(zip(sizes, shape)):
+        if not _is_concrete_int(s):
+            raise TypeError(f"`slice_sizes`[{k}] must be a Python int; got {s!r}.")
+        if not 0 <= s <= n:
+            raise ValueError(
+                f"`slice_sizes`[{k}]={s} does not fit the buffer: valid sizes are 0 to "
+                f"{n} (buffer shape {shape})."
+            )
+        out.append(int(s))
+    return tuple(out)
+
+
+def check_value(
+    value: Any, shape: tuple[int, ...], dtype: Any, argname: str, what: str
+) -> jax.Array:
+    """`value` as an array of exactly `shape` and the buffer's `dtype`."""
+    if isinstance(value, ShiftBufferType()):
+        raise TypeError(f"`{argname}` must be an array; got a ShiftBuffer.")
+    arr = jnp.asarray(value)
+    if arr.shape != tuple(shape):
+        raise ValueError(
+            f"`{argname}` must have shape {tuple(shape)} ({what}); got shape "
+            f"{arr.shape}."
+        )
+    if jnp.issubdtype(arr.dtype, jnp.inexact) and not jnp.issubdtype(
+        dtype, jnp.inexact
+    ):
+        raise TypeError(
+            f"`{argname}` has floating dtype {arr.dtype} but the buffer has dtype "
+            f"{jnp.dtype(dtype)}: an integer buffer holds integers only (it is not "
+            "differentiable)."
+        )
+    return arr.astype(dtype)
+
+
+def ShiftBufferType():
+    from ._buffer import ShiftBuffer
+
+    return ShiftBuffer
+
+
+# ---------------------------------------------------------------------------
+# Dispatch on the kind of buffer.
+
+
+def _unwrap_eqx(buf: Any) -> jax.Array:
+    # `_Buffer.__getitem__` is a plain read of the underlying (possibly nested) array.
+    return buf[...]
+
+
+def _storage_and_axis(x: Any, axis: Any, fill: Any) -> tuple[Any, int, Any]:
+    """(storage array, non-negative axis, fill) for any kind of buffer."""
+    SB = ShiftBufferType()
+    if isinstance(x, SB):
+        if axis is not None and normalise_axis(axis, x.ndim) != x.axis:
+            raise ValueError(
+                f"`axis`={axis} differs from the ShiftBuffer's own axis {x.axis}; "
+                "leave `axis` out for a ShiftBuffer."
+            )
+        return x._storage, x.axis, x.fill if fill is None else fill
+    if _EqxBuffer and isinstance(x, _EqxBuffer):
+        arr = _unwrap_eqx(x)
+    else:
+        arr = x
+        if not isinstance(arr, (jax.Array, np.ndarray, jax.core.Tracer)):
+            raise TypeError(
+                "The buffer must be a JAX array, a ShiftBuffer, or an "
+                f"equinox.internal buffer; got {type(x).__name__}."
+            )
+        arr = jnp.asarray(arr)
+    if arr.ndim == 0:
+        raise ValueError("The buffer must have at least one dimension; got a scalar.")
+    axis = -1 if axis is None else axis
+    return arr, normalise_axis(axis, arr.ndim), 0 if fill is None else fill
+
+
+def _base_token(storage: Any, arrays: Sequence[Any]) -> jax.Array:
+    """An opaque run-time zero for a loop's trip count (see `_primitives`).
+
+    Taken from the first traced index or value; with none (every index a constant),
+    from one element of the storage, so that XLA still cannot unroll the loop.
+    """
+    for a in arrays:
+        if isinstance(a, jax.core.Tracer):
+            return P.opaque_zero(a)
+    return P.opaque_zero(lax.stop_gradient(storage.reshape(-1)[:1]))
+
+
+def _same_trace(a: Any, b: Any) -> bool:
+    ta = getattr(a, "_trace", None)
+    return ta is not None and ta is getattr(b, "_trace", None)
+
+
+def _rebuild(x: Any, storage: Any) -> Any:
+    SB = ShiftBufferType()
+    if isinstance(x, SB):
+        return SB._from_storage(storage, x.axis, x.fill)
+    return storage
+
+
+def _eqx_line_index(idx: Sequence[jax.Array]) -> tuple:
+    return tuple(idx[:-1])
+
+
+def _eqx_window_index(starts: Sequence[jax.Array], sizes: Sequence[int]) -> tuple:
+    n = len(sizes)
+    out = []
+    for k, (s, size) in enumerate(zip(starts, sizes)):
+        shape = [1] * n
+        shape[k] = size
+        out.append((s + jnp.arange(size, dtype=s.dtype)).reshape(shape))
+    return tuple(out)
+
+
+# ---------------------------------------------------------------------------
+# Public functions.
+
+
+def dynamic_slice(
+    x: BufferLike, start_indices: Sequence[Index], slice_sizes: Sequence[int]
+) -> Array:
+    """Read a window of a buffer: `lax.dynamic_slice(x, start_indices, slice_sizes)`.
+
+    Unlike `lax.dynamic_slice`, a window that does not fit is an error, never a
+    silent clamp, and reading a `ShiftBuffer` inside a loop stays in place under
+    autodiff: the read is ordered before the buffer's next write.
+
+    **Arguments:**
+
+    - `x`: a JAX array, a [`eqx_shiftbuf.ShiftBuffer`][], or the buffer object that
+      `equinox.internal.scan(..., buffers=...)` passes to its body.
+    - `start_indices`: one integer scalar per dimension of `x`.
+    - `slice_sizes`: one Python int per dimension of `x`.
+
+    **Returns:**
+
+    The window, an array of shape `slice_sizes`.
+    """
+    storage, _, _ = _storage_and_axis(x, None, None)
+    sizes = check_sizes(slice_sizes, storage.shape)
+    starts = check_starts(start_indices, storage.shape, sizes, "start_indices")
+    if _EqxBuffer and isinstance(x, _EqxBuffer):
+        return lax.dynamic_slice(storage, starts, sizes)
+    tok = _base_token(storage, starts)
+    new_storage, window, _ = P.bind_read(storage, tok, starts, sizes)
+    if isinstance(x, ShiftBufferType()) and _same_trace(new_storage, storage):
+        # Thread the read through the buffer object itself, so that whatever the
+        # caller does next with `x` (write it, or return it from a scan step) uses the
+        # storage the read returned: see `_primitives`, "Why reads return the storage".
+        object.__setattr__(x, "_storage", new_storage)
+    return window
+
+
+def dynamic_update_slice(
+    x: BufferLike, update: ArrayLike, start_indices: Sequence[Index]
+) -> Any:
+    """Overwrite a window: `lax.dynamic_update_slice(x, update, start_indices)`.
+
+    **Arguments:**
+
+    - `x`: a JAX array, a [`eqx_shiftbuf.ShiftBuffer`][], or an Equinox loop buffer.
+    - `update`: the new contents of the window; same rank and dtype as `x`, and no
+      larger along any dimension.
+    - `start_indices`: one integer scalar per dimension of `x`.
+
+    **Returns:**
+
+    The updated buffer, of the same kind as `x`.
+    """
+    storage, _, _ = _storage_and_axis(x, None, None)
+    upd = jnp.asarray(update)
+    if upd.ndim != storage.ndim:
+        raise ValueError(
+            f"`update` must have the buffer's rank {storage.ndim}; got shape "
+            f"{upd.shape} for a buffer of shape {storage.shape}."
+        )
+    for k, (u, n) in enumerate(zip(upd.shape, storage.shape)):
+        if u > n:
+            raise ValueError(
+                f"`update` of shape {upd.shape} is larger than the buffer of shape "
+                f"{storage.shape} along dimension {k}."
+            )
+    upd = check_value(upd, upd.shape, storage.dtype, "update", "the window")
+    starts = check_starts(start_indices, storage.shape, upd.shape, "start_indices")
+    if _EqxBuffer and isinstance(x, _EqxBuffer):
+        return x.at[_eqx_window_index(starts, upd.shape)].set(upd)
+    tok = _base_token(storage, starts + [upd])
+    new_storage, _ = P.bind_swap(storage, tok, upd, starts)
+    return _rebuild(x, new_storage)
+
+
+def insert(
+    x: BufferLike, index: IndexTuple, value: ArrayLike, *, axis: int | None = None
+) -> Any:
+    """Insert `value` at `index`, shifting the rest of the line along `axis` right.
+
+    Along the line `x[index[:-1]]`, positions `col..n-2` move to `col+1..n-1` (where
+    `col = index[-1]` and `n = x.shape[axis]`), the element at `n-1` is dropped, and
+    `value` is written at `col`.
+
+    **Arguments:**
+
+    - `x`: a JAX array, a [`eqx_shiftbuf.ShiftBuffer`][], or an Equinox loop buffer.
+    - `index`: a tuple of integer scalars, one per dimension up to and including
+      `axis` (a bare scalar when `axis` is 0).
+    - `value`: an array of shape `x.shape[axis+1:]` (a scalar when `axis` is the last).
+    - `axis`: the shift axis; a `ShiftBuffer` uses its own. Default `-1`.
+
+    **Returns:**
+
+    The buffer after the insert, of the same kind as `x`.
+    """
+    storage, ax, _ = _storage_and_axis(x, axis, None)
+    idx = check_index(index, storage.shape, ax)
+    vshape = storage.shape[ax + 1 :]
+    val = check_value(value, vshape, storage.dtype, "value", f"x.shape[{ax}+1:]")
+    if _EqxBuffer and isinstance(x, _EqxBuffer):
+        line = storage[_eqx_line_index(idx)]
+        new = P._insert_line(line[None], [jnp.int32(0), idx[-1]], val, 1)[0]
+        return x.at[_eqx_line_index(idx)].set(new)
+    tok = _base_token(storage, idx + [val])
+    return _rebuild(x, P.bind_insert(storage, tok, val, idx, ax))
+
+
+def pop(
+    x: BufferLike,
+    index: IndexTuple,
+    *,
+    axis: int | None = None,
+    fill: Any = None,
+) -> tuple[Any, Array]:
+    """Remove the element at `index`, shift the rest of the line left, and return it.
+
+    Along the line `x[index[:-1]]`, positions `col+1..n-1` move to `col..n-2` and
+    position `n-1` gets `fill`.
+
+    **Arguments:**
+
+    - `x`: a JAX array, a [`eqx_shiftbuf.ShiftBuffer`][], or an Equinox loop buffer.
+    - `index`: a tuple of integer scalars, one per dimension up to and including
+      `axis`.
+    - `axis`: the shift axis; a `ShiftBuffer` uses its own. Default `-1`.
+    - `fill`: the value shifted in at the end of the line. Default: the
+      `ShiftBuffer`'s `fill`, or 0.
+
+    **Returns:**
+
+    `(buffer, removed)`: the buffer after the removal, of the same kind as `x`, and
+    the removed element, of shape `x.shape[axis+1:]`.
+    """
+    storage, ax, fill = _storage_and_axis(x, axis, fill)
+    fill = _check_fill(fill, storage.dtype)
+    idx = check_index(index, storage.shape, ax)
+    if _EqxBuffer and isinstance(x, _EqxBuffer):
+        line = storage[_eqx_line_index(idx)]
+        removed = lax.dynamic_index_in_dim(line, idx[-1], 0, keepdims=False)
+        new = P._delete_line(line[None], [jnp.int32(0), idx[-1]], 1, fill)[0]
+        return x.at[_eqx_line_index(idx)].set(new), removed
+    tok = _base_token(storage, idx)
+    new_storage, removed = P.bind_pop(storage, tok, idx, ax, fill)
+    return _rebuild(x, new_storage), removed
+
+
+def delete(
+    x: BufferLike, index: IndexTuple, *, axis: int | None = None, fill: Any = None
+) -> Any:
+    """Remove the element at `index` and shift the rest of the line left.
+
+    The same as [`eqx_shiftbuf.pop`][] without the removed element.
+
+    **Arguments:** as for [`eqx_shiftbuf.pop`][].
+
+    **Returns:**
+
+    The buffer after the removal, of the same kind as `x`.
+    """
+    return pop(x, index, axis=axis, fill=fill)[0]
+
+
+def _check_fill(fill: Any, dtype: Any) -> Any:
+    if isinstance(fill, (jax.Array, np.ndarray)) or isinstance(fill, jax.core.Tracer):
+        raise TypeError(
+            f"`fill` must be a Python scalar (it is part of the operation, not an "
+            f"input); got {type(fill).__name__}."
+        )
+    if not isinstance(fill, (bool, int, float)):
+        raise TypeError(f"`fill` must be a Python scalar; got {fill!r}.")
+    if isinstance(fill, float) and not jnp.issubdtype(dtype, jnp.inexact):
+        if not float(fill).is_integer():
+            raise TypeError(
+                f"`fill`={fill!r} is not representable in the buffer's dtype "
+                f"{jnp.dtype(dtype)}."
+            )
+        fill = int(fill)
+    return fill
+
+
+del operator, _tokens

@@ -1,0 +1,550 @@
+"""The buffer primitives.
+
+Five primitives touch a buffer's storage. Each is linear in its array operands, and
+they come in transpose pairs, so reverse mode never leaves the family:
+
+| primitive  | does                                             | transpose   |
+|------------|--------------------------------------------------|-------------|
+| `read_p`   | `window = storage[start:start+size]`             | `accum_p`   |
+| `accum_p`  | `storage[start:start+size] += window`            | `read_p`    |
+| `swap_p`   | `old = storage[win]; storage[win] = update`      | `swap_p`    |
+| `insert_p` | shift a line right from `col`, write the value   | `pop_p`     |
+| `pop_p`    | remove `line[col]`, shift left, fill the end     | `insert_p`  |
+
+**Why every access is a loop.** XLA updates a loop-carried buffer in place only when
+every other reader of the old buffer is ordered before the write *by data
+dependence*; it duplicates cheap reads into their consumers and rewrites
+`DS(DUS(B))` into reads of the old `B`, so a read that comes first in the jaxpr can
+still end up unordered (DESIGN.md rules 2-5, `mixed7.py`). So every primitive lowers
+to its own `while` loop whose trip count is 1 at run time but not provable at compile
+time (a static trip count of 1 is simplified away, and the copies come back:
+`looptx.py`). A read's window is then one materialised loop output, and each read
+also returns a *token* (an int32 zero that XLA cannot prove is zero, computed from
+the window) that the caller feeds into the next access's trip count. That gives XLA
+a total order on the accesses that it keeps.
+
+**Why reads return the storage.** `read_p` returns the storage it read from, and the
+caller uses that output afterwards. In the linearised program the storage tangent
+then has a single use, so the transpose accumulates the window cotangent into the
+storage cotangent in place (`accum_p`), instead of adding two full-size cotangents.
+
+**Batching.** Every index operand has the same shape `S` (the "batch" shape, `()`
+when unbatched); an operand holding values has shape `S + value_shape`. The loop runs
+over the `prod(S)` elements in order, one window operation each, so `vmap` keeps the
+batch inside one buffer (`vmaploop2.py`) instead of turning window ops into
+gather/scatter over the whole buffer (`vmaploop.py`). The batching rule moves the
+storage's batch axis to the front and adds the batch position as a leading index.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.core import ShapedArray
+from jax.extend.core import Primitive
+from jax.interpreters import ad, batching, mlir
+
+from . import _tokens
+
+
+# ---------------------------------------------------------------------------
+# Helpers shared by the lowerings.
+
+
+def opaque_zero(x: Any) -> jax.Array:
+    """An int32 zero computed from `x` that XLA cannot constant-fold.
+
+    `x > inf` is false for every float, NaN included, so this is zero at run time
+    whatever the data; XLA does not reason about it, so it stays a run-time value.
+    """
+    x = jnp.asarray(x)
+    first = x.reshape(-1)[0] if x.size > 0 else jnp.zeros((), jnp.float32)
+    if jnp.issubdtype(first.dtype, jnp.complexfloating):
+        first = jnp.real(first)
+    first = lax.convert_element_type(first, jnp.float32)
+    return (first > jnp.inf).astype(jnp.int32)
+
+
+def _loop(tok, size: int, body: Callable, state):
+    """Run `body(j, state)` for `j` in `range(size)` in a loop XLA can't unroll."""
+    n = jnp.int32(size) + tok
+    return lax.fori_loop(jnp.int32(0), n, body, state)
+
+
+def _element(arrays: Sequence[jax.Array], j) -> list[jax.Array]:
+    """The `j`-th element (flattened batch order) of each index array."""
+    return [lax.dynamic_index_in_dim(a.reshape(-1), j, keepdims=False) for a in arrays]
+
+
+def _batch_size(idx: Sequence[jax.Array]) -> tuple[tuple[int, ...], int]:
+    shape = tuple(idx[0].shape) if idx else ()
+    return shape, math.prod(shape)
+
+
+def _flat(x: jax.Array, bshape: tuple[int, ...]) -> jax.Array:
+    return x.reshape((math.prod(bshape),) + x.shape[len(bshape) :])
+
+
+def _take(x: jax.Array, j) -> jax.Array:
+    return lax.dynamic_index_in_dim(x, j, keepdims=False)
+
+
+def _put(x: jax.Array, j, v: jax.Array) -> jax.Array:
+    return lax.dynamic_update_index_in_dim(x, v, j, 0)
+
+
+def _line_start(idx: Sequence[jax.Array], ndim: int) -> list:
+    """Start of the line `storage[i_0, ..., i_{axis-1}, :, ...]`."""
+    zero = jnp.zeros((), idx[0].dtype) if idx else jnp.int32(0)
+    return list(idx[:-1]) + [zero] * (ndim - len(idx) + 1)
+
+
+def _line_sizes(shape: tuple[int, ...], axis: int) -> tuple[int, ...]:
+    return (1,) * axis + tuple(shape[axis:])
+
+
+# ---------------------------------------------------------------------------
+# Window primitives: read_p, accum_p, swap_p.
+#
+# Operands: (storage, tok, window_or_update?, *starts); `starts` has one entry per
+# storage dimension.
+
+
+def _read_impl(storage, tok, *starts, sizes):
+    bshape, size = _batch_size(starts)
+
+    def body(j, state):
+        s, out = state
+        w = lax.dynamic_slice(s, _element(starts, j), sizes)
+        return s, _put(out, j, w)
+
+    out = jnp.zeros((size,) + tuple(sizes), storage.dtype)
+    storage, out = _loop(tok, size, body, (storage, out))
+    out = out.reshape(bshape + tuple(sizes))
+    return storage, out, opaque_zero(out)
+
+
+def _read_abstract(storage, tok, *starts, sizes):
+    bshape = tuple(starts[0].shape) if starts else ()
+    return (
+        storage,
+        ShapedArray(bshape + tuple(sizes), storage.dtype),
+        ShapedArray((), jnp.int32),
+    )
+
+
+def _accum_impl(storage, tok, window, *starts):
+    bshape, size = _batch_size(starts)
+    window = _flat(window, bshape)
+
+    def body(j, s):
+        st = _element(starts, j)
+        w = _take(window, j)
+        old = lax.dynamic_slice(s, st, w.shape)
+        return lax.dynamic_update_slice(s, old + w, st)
+
+    return (_loop(tok, size, body, storage),)
+
+
+def _accum_abstract(storage, tok, window, *starts):
+    return (storage,)
+
+
+def _swap_impl(storage, tok, update, *starts):
+    bshape, size = _batch_size(starts)
+    update = _flat(update, bshape)
+    # Read the old windows in one loop, then write in a second loop whose trip count
+    # depends on what the first one read: the reads are then ordered before the
+    # writes by data dependence. Reading and writing in one loop body leaves the read
+    # unordered and XLA copies the buffer (the pop case of `mixed.py`).
+    storage, old, tok = _read_impl(storage, tok, *starts, sizes=update.shape[1:])
+
+    def body(j, s):
+        return lax.dynamic_update_slice(s, _take(update, j), _element(starts, j))
+
+    storage = _loop(tok, size, body, storage)
+    return storage, old
+
+
+def _swap_abstract(storage, tok, update, *starts):
+    return storage, ShapedArray(update.shape, update.dtype)
+
+
+# ---------------------------------------------------------------------------
+# Shift primitives: insert_p, pop_p.
+#
+# Operands: (storage, tok, value?, *index); `index` has `axis + 1` entries, the last
+# being the position along the shift axis. Each operation reads the whole line,
+# shifts it with `roll` + `where`, and writes it back in one `dynamic_update_slice`
+# (a single window read feeding a single window write: DESIGN.md rule 3).
+
+
+def _positions(sizes, axis, dtype):
+    return lax.broadcasted_iota(dtype, sizes, axis)
+
+
+def _insert_line(s, idx, v, axis):
+    sizes = _line_sizes(s.shape, axis)
+    start = _line_start(idx, s.ndim)
+    line = lax.dynamic_slice(s, start, sizes)
+    pos = _positions(sizes, axis, idx[-1].dtype)
+    col = idx[-1]
+    v = v.reshape((1,) * (axis + 1) + v.shape)
+    new = jnp.where(pos < col, line, jnp.where(pos == col, v, jnp.roll(line, 1, axis)))
+    return lax.dynamic_update_slice(s, new.astype(s.dtype), start)
+
+
+def _delete_line(s, idx, axis, fill):
+    sizes = _line_sizes(s.shape, axis)
+    start = _line_start(idx, s.ndim)
+    line = lax.dynamic_slice(s, start, sizes)
+    pos = _positions(sizes, axis, idx[-1].dtype)
+    col = idx[-1]
+    fillv = jnp.asarray(fill, s.dtype)
+    new = jnp.where(
+        pos < col,
+        line,
+        jnp.where(pos == s.shape[axis] - 1, fillv, jnp.roll(line, -1, axis)),
+    )
+    return lax.dynamic_update_slice(s, new, start)
+
+
+def _insert_impl(storage, tok, value, *idx, axis):
+    bshape, size = _batch_size(idx)
+    value = _flat(value, bshape)
+
+    def body(j, s):
+        return _insert_line(s, _element(idx, j), _take(value, j), axis)
+
+    return (_loop(tok, size, body, storage),)
+
+
+def _insert_abstract(storage, tok, value, *idx, axis):
+    return (storage,)
+
+
+def _pop_impl(storage, tok, *idx, axis, fill):
+    bshape, size = _batch_size(idx)
+    # As in `_swap_impl`: read the removed elements first, in their own loop.
+    starts = list(idx) + [jnp.zeros_like(idx[0])] * (storage.ndim - len(idx))
+    sizes = (1,) * (axis + 1) + storage.shape[axis + 1 :]
+    storage, removed, tok = _read_impl(storage, tok, *starts, sizes=sizes)
+    removed = removed.reshape(bshape + storage.shape[axis + 1 :])
+
+    def body(j, s):
+        return _delete_line(s, _element(idx, j), axis, fill)
+
+    storage = _loop(tok, size, body, storage)
+    return storage, removed
+
+
+def _pop_abstract(storage, tok, *idx, axis, fill):
+    bshape = tuple(idx[0].shape)
+    vshape = storage.shape[axis + 1 :]
+    return storage, ShapedArray(bshape + vshape, storage.dtype)
+
+
+# ---------------------------------------------------------------------------
+# Definitions.
+
+
+def _define(name: str, impl: Callable, abstract: Callable) -> Primitive:
+    p = Primitive(name)
+    p.multiple_results = True
+    p.def_impl(lambda *args, **params: jax.jit(impl, static_argnames=tuple(params))(*args, **params))
+    p.def_abstract_eval(abstract)
+    mlir.register_lowering(p, mlir.lower_fun(impl, multiple_results=True))
+    return p
+
+
+read_p = _define("esb_read", _read_impl, _read_abstract)
+accum_p = _define("esb_accum", _accum_impl, _accum_abstract)
+swap_p = _define("esb_swap", _swap_impl, _swap_abstract)
+insert_p = _define("esb_insert", _insert_impl, _insert_abstract)
+pop_p = _define("esb_pop", _pop_impl, _pop_abstract)
+
+
+# ---------------------------------------------------------------------------
+# Binding helpers that keep the tangent/cotangent chains ordered.
+#
+# Rules run on tangents and cotangents the same way the user-level functions run on
+# primals: each storage value remembers the token of the reads made from it
+# (`_tokens`), and the next access on it picks the token up.
+
+
+def bind_read(storage, tok, starts, sizes):
+    key = storage
+    storage, tok = _tokens.resolve(storage, tok)
+    storage, window, tok2 = read_p.bind(storage, tok, *starts, sizes=tuple(sizes))
+    # Both the storage that was read and the storage the read returned now have a
+    # pending read: the next access on either must come after it.
+    _tokens.record(key, tok2, storage)
+    _tokens.record(storage, tok2)
+    return storage, window, tok2
+
+
+def bind_accum(storage, tok, window, starts):
+    storage, tok = _tokens.resolve(storage, tok)
+    (storage,) = accum_p.bind(storage, tok, window, *starts)
+    return storage
+
+
+def bind_swap(storage, tok, update, starts):
+    storage, tok = _tokens.resolve(storage, tok)
+    return swap_p.bind(storage, tok, update, *starts)
+
+
+def bind_insert(storage, tok, value, idx, axis):
+    storage, tok = _tokens.resolve(storage, tok)
+    (storage,) = insert_p.bind(storage, tok, value, *idx, axis=axis)
+    return storage
+
+
+def bind_pop(storage, tok, idx, axis, fill):
+    storage, tok = _tokens.resolve(storage, tok)
+    return pop_p.bind(storage, tok, *idx, axis=axis, fill=fill)
+
+
+# ---------------------------------------------------------------------------
+# JVP rules. Every primitive is affine in its array operands (linear, except the
+# constant `fill` of `pop_p`), so the tangent map is the primitive itself applied to
+# the tangents, with `fill=0`.
+
+
+def _zero_tangent(x):
+    return ad.Zero(jax.typeof(x).to_tangent_aval())
+
+
+def _zeros_like_aval(x):
+    return jnp.zeros(x.shape, x.dtype)
+
+
+def _inst(t, primal):
+    return _zeros_like_aval(primal) if type(t) is ad.Zero else t
+
+
+def _all_zero(*ts):
+    return all(type(t) is ad.Zero for t in ts)
+
+
+def _read_jvp(primals, tangents, *, sizes):
+    storage, tok, *starts = primals
+    out = read_p.bind(storage, tok, *starts, sizes=sizes)
+    ts = tangents[0]
+    if type(ts) is ad.Zero:
+        t_out = [_zero_tangent(out[0]), _zero_tangent(out[1])]
+    else:
+        ts2, tw, _ = bind_read(ts, tok, starts, sizes)
+        t_out = [ts2, tw]
+    return out, t_out + [_zero_tangent(out[2])]
+
+
+def _accum_jvp(primals, tangents):
+    storage, tok, window, *starts = primals
+    out = accum_p.bind(storage, tok, window, *starts)
+    ts, tw = tangents[0], tangents[2]
+    if _all_zero(ts, tw):
+        return out, [_zero_tangent(out[0])]
+    return out, [bind_accum(_inst(ts, storage), tok, _inst(tw, window), starts)]
+
+
+def _swap_jvp(primals, tangents):
+    storage, tok, update, *starts = primals
+    out = swap_p.bind(storage, tok, update, *starts)
+    ts, tu = tangents[0], tangents[2]
+    if _all_zero(ts, tu):
+        return out, [_zero_tangent(o) for o in out]
+    return out, list(bind_swap(_inst(ts, storage), tok, _inst(tu, update), starts))
+
+
+def _insert_jvp(primals, tangents, *, axis):
+    storage, tok, value, *idx = primals
+    out = insert_p.bind(storage, tok, value, *idx, axis=axis)
+    ts, tv = tangents[0], tangents[2]
+    if _all_zero(ts, tv):
+        return out, [_zero_tangent(out[0])]
+    return out, [bind_insert(_inst(ts, storage), tok, _inst(tv, value), idx, axis)]
+
+
+def _pop_jvp(primals, tangents, *, axis, fill):
+    storage, tok, *idx = primals
+    out = pop_p.bind(storage, tok, *idx, axis=axis, fill=fill)
+    ts = tangents[0]
+    if type(ts) is ad.Zero:
+        return out, [_zero_tangent(o) for o in out]
+    return out, list(bind_pop(ts, tok, idx, axis, 0))
+
+
+ad.primitive_jvps[read_p] = _read_jvp
+ad.primitive_jvps[accum_p] = _accum_jvp
+ad.primitive_jvps[swap_p] = _swap_jvp
+ad.primitive_jvps[insert_p] = _insert_jvp
+ad.primitive_jvps[pop_p] = _pop_jvp
+
+
+# ---------------------------------------------------------------------------
+# Transpose rules. Only the storage and the value/window/update operands are ever
+# linear; `tok` and the indices are always known.
+
+
+def _ct_or_zeros(ct, aval):
+    if type(ct) is ad.Zero:
+        return jnp.zeros(aval.shape, aval.dtype)
+    return ct
+
+
+def _aval(x):
+    return x.aval if ad.is_undefined_primal(x) else jax.typeof(x)
+
+
+def _read_transpose(cts, storage, tok, *starts, sizes):
+    ct_s, ct_w, _ = cts
+    if _all_zero(ct_s, ct_w):
+        return [ad.Zero(_aval(storage)), None] + [None] * len(starts)
+    s_aval = _aval(storage)
+    ct_s = _ct_or_zeros(ct_s, s_aval)
+    if type(ct_w) is not ad.Zero:
+        ct_s = bind_accum(ct_s, tok, ct_w, starts)
+    return [ct_s, None] + [None] * len(starts)
+
+
+def _accum_transpose(cts, storage, tok, window, *starts):
+    (ct_s,) = cts
+    if type(ct_s) is ad.Zero:
+        return [ct_s, None, ad.Zero(_aval(window))] + [None] * len(starts)
+    sizes = _aval(window).shape[len(starts[0].shape) :]
+    ct_s, ct_w, _ = bind_read(ct_s, tok, starts, sizes)
+    ct_st = ct_s if ad.is_undefined_primal(storage) else None
+    ct_wt = ct_w if ad.is_undefined_primal(window) else None
+    return [ct_st, None, ct_wt] + [None] * len(starts)
+
+
+def _swap_transpose(cts, storage, tok, update, *starts):
+    ct_s, ct_old = cts
+    if _all_zero(ct_s, ct_old):
+        return [ad.Zero(_aval(storage)), None, ad.Zero(_aval(update))] + [None] * len(
+            starts
+        )
+    ct_s = _ct_or_zeros(ct_s, _aval(storage))
+    ct_old = _ct_or_zeros(ct_old, _aval(update))
+    ct_s, ct_u = bind_swap(ct_s, tok, ct_old, starts)
+    return [ct_s, None, ct_u] + [None] * len(starts)
+
+
+def _insert_transpose(cts, storage, tok, value, *idx, axis):
+    (ct_s,) = cts
+    if type(ct_s) is ad.Zero:
+        return [ct_s, None, ad.Zero(_aval(value))] + [None] * len(idx)
+    ct_s, ct_v = bind_pop(ct_s, tok, idx, axis, 0)
+    return [ct_s, None, ct_v] + [None] * len(idx)
+
+
+def _pop_transpose(cts, storage, tok, *idx, axis, fill):
+    ct_s, ct_v = cts
+    if _all_zero(ct_s, ct_v):
+        return [ad.Zero(_aval(storage)), None] + [None] * len(idx)
+    s_aval = _aval(storage)
+    ct_s = _ct_or_zeros(ct_s, s_aval)
+    vshape = tuple(idx[0].shape) + s_aval.shape[axis + 1 :]
+    ct_v = _ct_or_zeros(ct_v, ShapedArray(vshape, s_aval.dtype))
+    return [bind_insert(ct_s, tok, ct_v, idx, axis), None] + [None] * len(idx)
+
+
+ad.primitive_transposes[read_p] = _read_transpose
+ad.primitive_transposes[accum_p] = _accum_transpose
+ad.primitive_transposes[swap_p] = _swap_transpose
+ad.primitive_transposes[insert_p] = _insert_transpose
+ad.primitive_transposes[pop_p] = _pop_transpose
+
+
+# ---------------------------------------------------------------------------
+# Batching rules.
+#
+# Storage batched along `bd`: move it to the front, and index it with the batch
+# position, so that the new index arrays have shape `(B,) + S`. An unbatched storage
+# with batched indices or values is broadcast only when the primitive writes (each
+# batch element then needs its own buffer); a read from an unbatched storage simply
+# reads `B` windows.
+
+
+def _move_front(x, bd, size):
+    if bd is None:
+        return jnp.broadcast_to(x, (size,) + x.shape)
+    return jnp.moveaxis(x, bd, 0)
+
+
+def _batch_common(args, dims, n_leading: int, write: bool):
+    """Normalise (storage, tok, *values[:n_leading], *idx) for a batched call.
+
+    Returns (storage, tok, values, idx, storage_batched) where all idx have shape
+    `(B,) + S`, values `(B,) + S + vshape`, and storage is batched at axis 0 if it
+    was batched or if `write`.
+    """
+    storage, tok, *rest = args
+    sdim, tdim, *rdims = dims
+    values, idx = rest[:n_leading], rest[n_leading:]
+    vdims, idims = rdims[:n_leading], rdims[n_leading:]
+    size = next(
+        a.shape[d] for a, d in zip(args, dims) if d is not None
+    )
+    if tdim is not None:
+        tok = jnp.max(jnp.moveaxis(tok, tdim, 0).reshape(size, -1), axis=0)[0]
+    bshape = tuple(idx[0].shape) if idims[0] is None else None
+    if bshape is None:
+        bshape = tuple(np.delete(idx[0].shape, idims[0]))
+    idx = [_move_front(i, d, size).reshape((size,) + bshape) for i, d in zip(idx, idims)]
+    storage_batched = sdim is not None or write
+    if storage_batched:
+        storage = _move_front(storage, sdim, size)
+        pos = lax.broadcasted_iota(idx[0].dtype, (size,) + bshape, 0)
+        idx = [pos] + idx
+    values = [_move_front(v, d, size) for v, d in zip(values, vdims)]
+    return storage, tok, values, idx, storage_batched
+
+
+def _read_batch(args, dims, *, sizes):
+    storage, tok, _, idx, sb = _batch_common(args, dims, 0, write=False)
+    if sb:
+        sizes = (1,) + tuple(sizes)
+    s, w, t = bind_read(storage, tok, idx, sizes)
+    if sb:
+        w = w.reshape(w.shape[: len(idx[0].shape)] + w.shape[len(idx[0].shape) + 1 :])
+    return (s, w, t), (0 if sb else None, 0, None)
+
+
+def _accum_batch(args, dims):
+    storage, tok, (window,), idx, _ = _batch_common(args, dims, 1, write=True)
+    nb = len(idx[0].shape)
+    window = window.reshape(window.shape[:nb] + (1,) + window.shape[nb:])
+    return (bind_accum(storage, tok, window, idx),), (0,)
+
+
+def _swap_batch(args, dims):
+    storage, tok, (update,), idx, _ = _batch_common(args, dims, 1, write=True)
+    nb = len(idx[0].shape)
+    update = update.reshape(update.shape[:nb] + (1,) + update.shape[nb:])
+    s, old = bind_swap(storage, tok, update, idx)
+    return (s, old.reshape(old.shape[:nb] + old.shape[nb + 1 :])), (0, 0)
+
+
+def _insert_batch(args, dims, *, axis):
+    storage, tok, (value,), idx, _ = _batch_common(args, dims, 1, write=True)
+    return (bind_insert(storage, tok, value, idx, axis + 1),), (0,)
+
+
+def _pop_batch(args, dims, *, axis, fill):
+    storage, tok, _, idx, _ = _batch_common(args, dims, 0, write=True)
+    return tuple(bind_pop(storage, tok, idx, axis + 1, fill)), (0, 0)
+
+
+batching.primitive_batchers[read_p] = _read_batch
+batching.primitive_batchers[accum_p] = _accum_batch
+batching.primitive_batchers[swap_p] = _swap_batch
+batching.primitive_batchers[insert_p] = _insert_batch
+batching.primitive_batchers[pop_p] = _pop_batch
