@@ -1,0 +1,251 @@
+"""Derivatives of every operation equal plain autodiff of the equivalent `jnp` program."""
+
+from __future__ import annotations
+
+import hypothesis.strategies as st
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from jax import lax
+from jax.test_util import check_grads
+
+import eqx_shiftbuf as esb
+
+from . import reference as ref
+
+
+LAYOUTS = [((7,), 0), ((3, 6), 1), ((4, 5), 0), ((2, 5, 3), 1)]
+RTOL = 1e-10
+
+
+def _rand(shape, seed):
+    return jnp.asarray(np.random.default_rng(seed).normal(size=shape))
+
+
+def _ops_for(shape, axis):
+    """Pairs (library op, jnp op) of (buffer, value-or-None) -> output pytree."""
+    idx = tuple(min(1, shape[d] - 1) for d in range(axis)) + (shape[axis] // 2,)
+    starts = tuple(1 if n > 2 else 0 for n in shape)
+    sizes = tuple(min(2, n - s) for n, s in zip(shape, starts))
+    vshape = shape[axis + 1 :]
+    return {
+        "insert": (
+            vshape,
+            lambda x, v: esb.insert(x, idx, v, axis=axis),
+            lambda x, v: ref.jnp_insert(x, idx, v, axis),
+        ),
+        "delete": (
+            None,
+            lambda x, v: esb.delete(x, idx, axis=axis),
+            lambda x, v: ref.jnp_pop(x, idx, axis)[0],
+        ),
+        "pop": (
+            None,
+            lambda x, v: esb.pop(x, idx, axis=axis),
+            lambda x, v: ref.jnp_pop(x, idx, axis),
+        ),
+        "dynamic_slice": (
+            None,
+            lambda x, v: esb.dynamic_slice(x, starts, sizes),
+            lambda x, v: ref.jnp_dynamic_slice(x, starts, sizes),
+        ),
+        "dynamic_update_slice": (
+            sizes,
+            lambda x, v: esb.dynamic_update_slice(x, v, starts),
+            lambda x, v: ref.jnp_dynamic_update_slice(x, v, starts),
+        ),
+    }
+
+
+OPS = ["insert", "delete", "pop", "dynamic_slice", "dynamic_update_slice"]
+
+
+def _args(shape, vshape):
+    x = _rand(shape, 0)
+    v = _rand(vshape, 1) if vshape is not None else jnp.zeros(())
+    return x, v
+
+
+@pytest.mark.parametrize("shape,axis", LAYOUTS)
+@pytest.mark.parametrize("op", OPS)
+def test_vjp_matches_plain_autodiff(op, shape, axis):
+    vshape, f, g = _ops_for(shape, axis)[op]
+    x, v = _args(shape, vshape)
+    out, vjp = jax.vjp(f, x, v)
+    out_ref, vjp_ref = jax.vjp(g, x, v)
+    ct = jax.tree.map(lambda o: _rand(o.shape, 2), out_ref)
+    for a, b in zip(jax.tree.leaves(out), jax.tree.leaves(out_ref)):
+        np.testing.assert_allclose(a, b, rtol=RTOL)
+    for a, b in zip(vjp(ct), vjp_ref(ct)):
+        np.testing.assert_allclose(a, b, rtol=RTOL)
+
+
+@pytest.mark.parametrize("shape,axis", LAYOUTS)
+@pytest.mark.parametrize("op", OPS)
+def test_jvp_matches_plain_autodiff(op, shape, axis):
+    vshape, f, g = _ops_for(shape, axis)[op]
+    x, v = _args(shape, vshape)
+    tx, tv = _rand(x.shape, 3), _rand(v.shape, 4)
+    out, tout = jax.jvp(f, (x, v), (tx, tv))
+    out_ref, tout_ref = jax.jvp(g, (x, v), (tx, tv))
+    for a, b in zip(jax.tree.leaves((out, tout)), jax.tree.leaves((out_ref, tout_ref))):
+        np.testing.assert_allclose(a, b, rtol=RTOL)
+
+
+@pytest.mark.parametrize("op", OPS)
+def test_grad_under_jit_matches_plain_autodiff(op):
+    vshape, f, g = _ops_for((3, 6), 1)[op]
+    x, v = _args((3, 6), vshape)
+    w = jax.tree.map(lambda o: _rand(o.shape, 5), jax.eval_shape(g, x, v))
+
+    def loss(fn):
+        return lambda x, v: sum(
+            (jnp.sin(o) * c).sum()
+            for o, c in zip(jax.tree.leaves(fn(x, v)), jax.tree.leaves(w))
+        )
+
+    a = jax.jit(jax.grad(loss(f), argnums=(0, 1)))(x, v)
+    b = jax.grad(loss(g), argnums=(0, 1))(x, v)
+    for p, q in zip(a, b):
+        np.testing.assert_allclose(p, q, rtol=RTOL)
+
+
+@pytest.mark.parametrize("shape,axis", LAYOUTS[:3])
+@pytest.mark.parametrize("op", OPS)
+def test_check_grads_order_2(op, shape, axis):
+    vshape, f, _ = _ops_for(shape, axis)[op]
+    x, v = _args(shape, vshape)
+    # A nonlinearity after the op, so that second derivatives are not all zero.
+    h = lambda x, v: jax.tree.map(lambda o: jnp.sin(o) * o, f(x * x, v))
+    check_grads(h, (x, v), order=2, modes=("fwd", "rev"))
+
+
+def test_shiftbuffer_grad_wrt_initial_contents_and_values():
+    def f(arr, v):
+        buf = esb.ShiftBuffer.from_array(arr)
+        buf = buf.insert((0, 1), v).insert((0, 0), 2 * v)
+        buf, r = buf.pop((0, 3))
+        return (buf.array**2).sum() + r * v
+
+    def g(arr, v):
+        arr = ref.jnp_insert(arr, (0, 1), v, 1)
+        arr = ref.jnp_insert(arr, (0, 0), 2 * v, 1)
+        arr, r = ref.jnp_pop(arr, (0, 3), 1)
+        return (arr**2).sum() + r * v
+
+    x, v = _rand((2, 5), 0), jnp.float64(0.7)
+    for a, b in zip(jax.grad(f, (0, 1))(x, v), jax.grad(g, (0, 1))(x, v)):
+        np.testing.assert_allclose(a, b, rtol=RTOL)
+
+
+# -- through lax.scan of random edit sequences (overlapping, out-of-order indices)
+
+STEPS = 10
+SHAPE, AXIS = (3, 6), 1
+KINDS = ["insert", "delete", "pop", "slice", "update"]
+
+
+def _make_step(kinds, lib):
+    ins = (lambda x, i, v: esb.insert(x, i, v)) if lib else (
+        lambda x, i, v: ref.jnp_insert(x, i, v, AXIS))
+    pop = (lambda x, i: esb.pop(x, i)) if lib else (lambda x, i: ref.jnp_pop(x, i, AXIS))
+    ds = esb.dynamic_slice if lib else ref.jnp_dynamic_slice
+    dus = esb.dynamic_update_slice if lib else ref.jnp_dynamic_update_slice
+
+    def step(carry, inp):
+        x, acc = carry
+        idx, val, p = inp
+        outs = []
+        for k, kind in enumerate(kinds):
+            i = (idx[k, 0], idx[k, 1])
+            if kind == "insert":
+                x = ins(x, i, jnp.sin(p * val[k]))
+            elif kind == "delete":
+                x = pop(x, i)[0]
+            elif kind == "pop":
+                x, r = pop(x, i)
+                acc = acc + r * val[k]
+            elif kind == "slice":
+                w = ds(x, (idx[k, 0], idx[k, 1] // 2), (1, 3))
+                outs.append(jnp.tanh(w).sum())
+            else:
+                w = ds(x, (idx[k, 0], jnp.int32(0)), (1, 2))
+                x = dus(x, w * p + val[k], (idx[(k + 1) % len(kinds), 0], idx[k, 1] // 2))
+        return (x, acc), jnp.stack(outs) if outs else jnp.zeros(0)
+
+    return step
+
+
+def _loss(kinds, lib):
+    step = _make_step(kinds, lib)
+
+    def loss(x0, p, idx, vals):
+        x = esb.ShiftBuffer.from_array(x0) if lib else x0
+        ps = jnp.broadcast_to(p, (STEPS,))
+        (x, acc), ys = lax.scan(step, (x, jnp.zeros((), x0.dtype)), (idx, vals, ps))
+        arr = x.array if lib else x
+        return (jnp.cos(arr) * jnp.arange(arr.size).reshape(arr.shape)).sum() + acc + (ys**2).sum()
+
+    return loss
+
+
+_COMPILED: dict = {}
+
+
+def _compiled(kinds):
+    if kinds not in _COMPILED:
+        _COMPILED[kinds] = tuple(
+            jax.jit(jax.value_and_grad(_loss(kinds, lib), argnums=(0, 1)))
+            for lib in (True, False)
+        )
+    return _COMPILED[kinds]
+
+
+@settings(max_examples=40)
+@given(
+    kinds=st.lists(st.sampled_from(KINDS), min_size=1, max_size=3).map(tuple),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_scan_of_random_edits_grad_matches_plain_autodiff(kinds, seed):
+    rng = np.random.default_rng(seed)
+    idx = jnp.asarray(
+        np.stack([rng.integers(0, SHAPE[0], (STEPS, len(kinds))),
+                  rng.integers(0, SHAPE[1], (STEPS, len(kinds)))], -1), jnp.int32)
+    vals = jnp.asarray(rng.normal(size=(STEPS, len(kinds))))
+    x0 = jnp.asarray(rng.normal(size=SHAPE))
+    p = jnp.float64(rng.normal())
+    lib, plain = _compiled(kinds)
+    (l1, g1), (l2, g2) = lib(x0, p, idx, vals), plain(x0, p, idx, vals)
+    np.testing.assert_allclose(l1, l2, rtol=1e-10)
+    for a, b in zip(g1, g2):
+        np.testing.assert_allclose(a, b, rtol=1e-9, atol=1e-12)
+
+
+@pytest.mark.parametrize("kinds", [("insert", "pop"), ("slice", "update", "delete")])
+def test_scan_of_edits_jvp_matches_plain_autodiff(kinds):
+    rng = np.random.default_rng(0)
+    idx = jnp.asarray(
+        np.stack([rng.integers(0, SHAPE[0], (STEPS, len(kinds))),
+                  rng.integers(0, SHAPE[1], (STEPS, len(kinds)))], -1), jnp.int32)
+    vals = jnp.asarray(rng.normal(size=(STEPS, len(kinds))))
+    x0, t0 = jnp.asarray(rng.normal(size=SHAPE)), jnp.asarray(rng.normal(size=SHAPE))
+    p = jnp.float64(0.3)
+    f = jax.jit(lambda x, p: _loss(kinds, True)(x, p, idx, vals))
+    g = lambda x, p: _loss(kinds, False)(x, p, idx, vals)
+    a = jax.jvp(f, (x0, p), (t0, jnp.float64(1.0)))
+    b = jax.jvp(g, (x0, p), (t0, jnp.float64(1.0)))
+    np.testing.assert_allclose(a, b, rtol=1e-10)
+
+
+def test_scan_grad_matches_finite_differences():
+    kinds = ("insert", "slice", "pop")
+    rng = np.random.default_rng(1)
+    idx = jnp.asarray(
+        np.stack([rng.integers(0, SHAPE[0], (STEPS, 3)),
+                  rng.integers(0, SHAPE[1], (STEPS, 3))], -1), jnp.int32)
+    vals = jnp.asarray(rng.normal(size=(STEPS, 3)))
+    f = lambda x, p: _loss(kinds, True)(x, p, idx, vals)
+    check_grads(f, (jnp.asarray(rng.normal(size=SHAPE)), jnp.float64(0.4)),
+                order=2, modes=("fwd", "rev"))
