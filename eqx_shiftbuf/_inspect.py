@@ -10,6 +10,7 @@ from typing import Any
 
 import jax
 
+
 __all__ = ["LoopCopy", "find_loop_copies", "assert_in_place", "loop_copies_in_hlo"]
 
 _BYTES = {
@@ -24,9 +25,7 @@ _CALLEE = re.compile(
 )
 _BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
 _BODY = re.compile(r"body=%?([\w.\-]+)")
-_COPY = re.compile(
-    r"^(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*?)\s+(copy|copy-start)\((.*)$"
-)
+_COPY = re.compile(r"^(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*?)\s+(copy|copy-start)\((.*)$")
 _ARRAY = re.compile(r"(\w+)\[([\d,]*)\]")
 _OP_NAME = re.compile(r'op_name="([^"]*)"')
 _SOURCE = re.compile(r'source_file="([^"]*)"\s+source_line=(\d+)')
@@ -150,8 +149,8 @@ def loop_copies_in_hlo(hlo: str, min_bytes: int = 1 << 16) -> list[LoopCopy]:
 
 
 def _compiled_text(fn: Callable, args, kwargs) -> str:
-    jitted = fn if hasattr(fn, "lower") else jax.jit(fn)
-    return jitted.lower(*args, **kwargs).compile().as_text()
+    jitted: Any = fn if hasattr(fn, "lower") else jax.jit(fn)
+    return str(jitted.lower(*args, **kwargs).compile().as_text())
 
 
 def find_loop_copies(

@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, Union
+from typing import Any, TYPE_CHECKING, Union
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.core import Tracer
 from jaxtyping import Array, ArrayLike, Int
 
 from . import _primitives as P, _tokens
@@ -80,7 +81,7 @@ def _check_scalar_index(i: Any, argname: str, pos: int, bound: int) -> jax.Array
             "Use jax.vmap to apply an operation at many indices."
         )
     arr = arr.astype(jnp.int32)
-    if not isinstance(arr, jax.core.Tracer):
+    if not isinstance(arr, Tracer):
         value = int(arr)
         if not 0 <= value <= bound:
             raise IndexError(
@@ -207,7 +208,7 @@ def _storage_and_axis(x: Any, axis: Any, fill: Any) -> tuple[Any, int, Any]:
         arr = _unwrap_eqx(x)
     else:
         arr = x
-        if not isinstance(arr, (jax.Array, np.ndarray, jax.core.Tracer)):
+        if not isinstance(arr, (jax.Array, np.ndarray, Tracer)):
             raise TypeError(
                 "The buffer must be a JAX array, a ShiftBuffer, or an "
                 f"equinox.internal buffer; got {type(x).__name__}."
@@ -226,7 +227,7 @@ def _base_token(storage: Any, arrays: Sequence[Any]) -> jax.Array:
     from one element of the storage, so that XLA still cannot unroll the loop.
     """
     for a in arrays:
-        if isinstance(a, jax.core.Tracer):
+        if isinstance(a, Tracer):
             return P.opaque_zero(a)
     return P.opaque_zero(lax.stop_gradient(storage.reshape(-1)[:1]))
 
@@ -423,7 +424,7 @@ def delete(
 
 
 def _check_fill(fill: Any, dtype: Any) -> Any:
-    if isinstance(fill, (jax.Array, np.ndarray)) or isinstance(fill, jax.core.Tracer):
+    if isinstance(fill, (jax.Array, np.ndarray)) or isinstance(fill, Tracer):
         raise TypeError(
             f"`fill` must be a Python scalar (it is part of the operation, not an "
             f"input); got {type(fill).__name__}."

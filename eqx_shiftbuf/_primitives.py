@@ -44,7 +44,6 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 from jax.core import ShapedArray
 from jax.extend.core import Primitive
@@ -257,7 +256,11 @@ def _pop_abstract(storage, tok, *idx, axis, fill):
 def _define(name: str, impl: Callable, abstract: Callable) -> Primitive:
     p = Primitive(name)
     p.multiple_results = True
-    p.def_impl(lambda *args, **params: jax.jit(impl, static_argnames=tuple(params))(*args, **params))
+    p.def_impl(
+        lambda *args, **params: jax.jit(impl, static_argnames=tuple(params))(
+            *args, **params
+        )
+    )
     p.def_abstract_eval(abstract)
     mlir.register_lowering(p, mlir.lower_fun(impl, multiple_results=True))
     return p
@@ -490,15 +493,14 @@ def _batch_common(args, dims, n_leading: int, write: bool):
     sdim, tdim, *rdims = dims
     values, idx = rest[:n_leading], rest[n_leading:]
     vdims, idims = rdims[:n_leading], rdims[n_leading:]
-    size = next(
-        a.shape[d] for a, d in zip(args, dims) if d is not None
-    )
+    size = next(a.shape[d] for a, d in zip(args, dims) if d is not None)
     if tdim is not None:
         tok = jnp.max(jnp.moveaxis(tok, tdim, 0).reshape(size, -1), axis=0)[0]
-    bshape = tuple(idx[0].shape) if idims[0] is None else None
-    if bshape is None:
-        bshape = tuple(np.delete(idx[0].shape, idims[0]))
-    idx = [_move_front(i, d, size).reshape((size,) + bshape) for i, d in zip(idx, idims)]
+    i0, d0 = idx[0], idims[0]
+    bshape = tuple(i0.shape) if d0 is None else i0.shape[:d0] + i0.shape[d0 + 1 :]
+    idx = [
+        _move_front(i, d, size).reshape((size,) + bshape) for i, d in zip(idx, idims)
+    ]
     storage_batched = sdim is not None or write
     if storage_batched:
         storage = _move_front(storage, sdim, size)

@@ -61,7 +61,9 @@ def jnp_pop(x, index, axis, fill=0):
     n = line.shape[0]
     pos = jnp.arange(n).reshape((-1,) + (1,) * (line.ndim - 1))
     removed = line[col]
-    new = jnp.where(pos < col, line, jnp.where(pos == n - 1, fill, jnp.roll(line, -1, 0)))
+    new = jnp.where(
+        pos < col, line, jnp.where(pos == n - 1, fill, jnp.roll(line, -1, 0))
+    )
     return x.at[tuple(lead)].set(new.astype(x.dtype)), removed
 
 

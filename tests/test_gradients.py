@@ -148,9 +148,14 @@ KINDS = ["insert", "delete", "pop", "slice", "update"]
 
 
 def _make_step(kinds, lib):
-    ins = (lambda x, i, v: esb.insert(x, i, v)) if lib else (
-        lambda x, i, v: ref.jnp_insert(x, i, v, AXIS))
-    pop = (lambda x, i: esb.pop(x, i)) if lib else (lambda x, i: ref.jnp_pop(x, i, AXIS))
+    ins = (
+        (lambda x, i, v: esb.insert(x, i, v))
+        if lib
+        else (lambda x, i, v: ref.jnp_insert(x, i, v, AXIS))
+    )
+    pop = (
+        (lambda x, i: esb.pop(x, i)) if lib else (lambda x, i: ref.jnp_pop(x, i, AXIS))
+    )
     ds = esb.dynamic_slice if lib else ref.jnp_dynamic_slice
     dus = esb.dynamic_update_slice if lib else ref.jnp_dynamic_update_slice
 
@@ -172,7 +177,9 @@ def _make_step(kinds, lib):
                 outs.append(jnp.tanh(w).sum())
             else:
                 w = ds(x, (idx[k, 0], jnp.int32(0)), (1, 2))
-                x = dus(x, w * p + val[k], (idx[(k + 1) % len(kinds), 0], idx[k, 1] // 2))
+                x = dus(
+                    x, w * p + val[k], (idx[(k + 1) % len(kinds), 0], idx[k, 1] // 2)
+                )
         return (x, acc), jnp.stack(outs) if outs else jnp.zeros(0)
 
     return step
@@ -186,7 +193,11 @@ def _loss(kinds, lib):
         ps = jnp.broadcast_to(p, (STEPS,))
         (x, acc), ys = lax.scan(step, (x, jnp.zeros((), x0.dtype)), (idx, vals, ps))
         arr = x.array if lib else x
-        return (jnp.cos(arr) * jnp.arange(arr.size).reshape(arr.shape)).sum() + acc + (ys**2).sum()
+        return (
+            (jnp.cos(arr) * jnp.arange(arr.size).reshape(arr.shape)).sum()
+            + acc
+            + (ys**2).sum()
+        )
 
     return loss
 
@@ -211,8 +222,15 @@ def _compiled(kinds):
 def test_scan_of_random_edits_grad_matches_plain_autodiff(kinds, seed):
     rng = np.random.default_rng(seed)
     idx = jnp.asarray(
-        np.stack([rng.integers(0, SHAPE[0], (STEPS, len(kinds))),
-                  rng.integers(0, SHAPE[1], (STEPS, len(kinds)))], -1), jnp.int32)
+        np.stack(
+            [
+                rng.integers(0, SHAPE[0], (STEPS, len(kinds))),
+                rng.integers(0, SHAPE[1], (STEPS, len(kinds))),
+            ],
+            -1,
+        ),
+        jnp.int32,
+    )
     vals = jnp.asarray(rng.normal(size=(STEPS, len(kinds))))
     x0 = jnp.asarray(rng.normal(size=SHAPE))
     p = jnp.float64(rng.normal())
@@ -227,8 +245,15 @@ def test_scan_of_random_edits_grad_matches_plain_autodiff(kinds, seed):
 def test_scan_of_edits_jvp_matches_plain_autodiff(kinds):
     rng = np.random.default_rng(0)
     idx = jnp.asarray(
-        np.stack([rng.integers(0, SHAPE[0], (STEPS, len(kinds))),
-                  rng.integers(0, SHAPE[1], (STEPS, len(kinds)))], -1), jnp.int32)
+        np.stack(
+            [
+                rng.integers(0, SHAPE[0], (STEPS, len(kinds))),
+                rng.integers(0, SHAPE[1], (STEPS, len(kinds))),
+            ],
+            -1,
+        ),
+        jnp.int32,
+    )
     vals = jnp.asarray(rng.normal(size=(STEPS, len(kinds))))
     x0, t0 = jnp.asarray(rng.normal(size=SHAPE)), jnp.asarray(rng.normal(size=SHAPE))
     p = jnp.float64(0.3)
@@ -243,9 +268,20 @@ def test_scan_grad_matches_finite_differences():
     kinds = ("insert", "slice", "pop")
     rng = np.random.default_rng(1)
     idx = jnp.asarray(
-        np.stack([rng.integers(0, SHAPE[0], (STEPS, 3)),
-                  rng.integers(0, SHAPE[1], (STEPS, 3))], -1), jnp.int32)
+        np.stack(
+            [
+                rng.integers(0, SHAPE[0], (STEPS, 3)),
+                rng.integers(0, SHAPE[1], (STEPS, 3)),
+            ],
+            -1,
+        ),
+        jnp.int32,
+    )
     vals = jnp.asarray(rng.normal(size=(STEPS, 3)))
     f = lambda x, p: _loss(kinds, True)(x, p, idx, vals)
-    check_grads(f, (jnp.asarray(rng.normal(size=SHAPE)), jnp.float64(0.4)),
-                order=2, modes=("fwd", "rev"))
+    check_grads(
+        f,
+        (jnp.asarray(rng.normal(size=SHAPE)), jnp.float64(0.4)),
+        order=2,
+        modes=("fwd", "rev"),
+    )

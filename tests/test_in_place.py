@@ -35,7 +35,9 @@ def _step_pop(buf, x, p):
 
 def _step_update(buf, x, p):
     upd = jnp.tanh(p["s"] * x["v"] + jnp.arange(K, dtype=jnp.float32))[None]
-    return buf.dynamic_update_slice(upd, (x["r"][0], x["c"][0] % (COLS - K))), jnp.zeros(())
+    return buf.dynamic_update_slice(
+        upd, (x["r"][0], x["c"][0] % (COLS - K))
+    ), jnp.zeros(())
 
 
 def _step_slice_matmul(buf, x, p):
@@ -74,7 +76,9 @@ def _inputs():
         "v": jnp.asarray(rng.random(STEPS), jnp.float32),
     }
     p = {"s": jnp.float32(0.5), "W": jnp.asarray(rng.normal(size=(K, 4)), jnp.float32)}
-    init = esb.ShiftBuffer.from_array(jnp.asarray(rng.random((ROWS, COLS)), jnp.float32))
+    init = esb.ShiftBuffer.from_array(
+        jnp.asarray(rng.random((ROWS, COLS)), jnp.float32)
+    )
     return p, init, xs
 
 
@@ -111,7 +115,9 @@ class _PlainBuffer:
         row = lax.dynamic_slice(self.array, (r, jnp.int32(0)), (1, COLS))
         pos = jnp.arange(COLS)
         new = jnp.where(pos < c, row, jnp.where(pos == c, value, jnp.roll(row, 1, 1)))
-        return _PlainBuffer(lax.dynamic_update_slice(self.array, new, (r, jnp.int32(0))))
+        return _PlainBuffer(
+            lax.dynamic_update_slice(self.array, new, (r, jnp.int32(0)))
+        )
 
 
 jax.tree_util.register_pytree_node(
@@ -137,7 +143,9 @@ def _pop_read_before_write(c, x):
     v = c[r, col]  # read from the carry before shifting, and returned
     row = lax.dynamic_slice(c, (r, jnp.int32(0)), (1, COLS))
     pos = jnp.arange(COLS)
-    new = jnp.where(pos < col, row, jnp.where(pos == COLS - 1, 0.0, jnp.roll(row, -1, 1)))
+    new = jnp.where(
+        pos < col, row, jnp.where(pos == COLS - 1, 0.0, jnp.roll(row, -1, 1))
+    )
     return lax.dynamic_update_slice(c, new, (r, jnp.int32(0))), v
 
 
@@ -145,7 +153,9 @@ def _pop_read_after_write(c, x):
     r, col = x
     row = lax.dynamic_slice(c, (r, jnp.int32(0)), (1, COLS))
     pos = jnp.arange(COLS)
-    new = jnp.where(pos < col, row, jnp.where(pos == COLS - 1, 0.0, jnp.roll(row, -1, 1)))
+    new = jnp.where(
+        pos < col, row, jnp.where(pos == COLS - 1, 0.0, jnp.roll(row, -1, 1))
+    )
     c = lax.dynamic_update_slice(c, new, (r, jnp.int32(0)))
     return c, c[r, col]  # read after the write
 
@@ -179,7 +189,9 @@ def test_detector_ignores_small_copies():
 
 
 def test_assert_in_place_reports_readably():
-    with pytest.raises(AssertionError, match=r"per-iteration copies.*\n  - copy of f32"):
+    with pytest.raises(
+        AssertionError, match=r"per-iteration copies.*\n  - copy of f32"
+    ):
         esb.assert_in_place(_scan(_pop_read_before_write), *_pop_args())
     esb.assert_in_place(_scan(_pop_read_after_write), *_pop_args())
 

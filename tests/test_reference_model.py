@@ -214,9 +214,14 @@ def scan_inputs(draw, shape, axis, dtype):
         [[draw(st.integers(0, n - 1)) for n in shape] for _ in range(STEPS)], np.int32
     )
     v = np.stack([_value(draw, shape, axis, dtype) for _ in range(STEPS)])
-    u = np.asarray(
-        draw(st.lists(st.integers(-9, 9), min_size=STEPS, max_size=STEPS)), np.float64
-    ).reshape((STEPS,) + (1,) * len(shape)).astype(dtype)
+    u = (
+        np.asarray(
+            draw(st.lists(st.integers(-9, 9), min_size=STEPS, max_size=STEPS)),
+            np.float64,
+        )
+        .reshape((STEPS,) + (1,) * len(shape))
+        .astype(dtype)
+    )
     return idx(), idx(), iu, idx(), v, u
 
 
@@ -226,8 +231,14 @@ def scan_inputs(draw, shape, axis, dtype):
 def test_jitted_scan_of_edits_matches_numpy(shape, axis, data):
     dtype = np.float32
     array = np.asarray(
-        data.draw(st.lists(st.integers(-50, 50), min_size=int(np.prod(shape)),
-                           max_size=int(np.prod(shape)))), np.float32
+        data.draw(
+            st.lists(
+                st.integers(-50, 50),
+                min_size=int(np.prod(shape)),
+                max_size=int(np.prod(shape)),
+            )
+        ),
+        np.float32,
     ).reshape(shape)
     xs = data.draw(scan_inputs(shape, axis, dtype))
     step = _scan_step(shape, axis)
