@@ -1,0 +1,123 @@
+"""`vmap` of every operation: values equal the per-example reference, gradients too."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+
+import eqx_shiftbuf as esb
+
+from . import reference as ref
+
+
+B, SHAPE = 3, (4, 6)
+
+
+def _data(seed=0):
+    rng = np.random.default_rng(seed)
+    x = jnp.asarray(rng.normal(size=(B,) + SHAPE))
+    rows = jnp.asarray(rng.integers(0, SHAPE[0], B), jnp.int32)
+    cols = jnp.asarray(rng.integers(0, SHAPE[1], B), jnp.int32)
+    vals = jnp.asarray(rng.normal(size=B))
+    return x, rows, cols, vals
+
+
+OPS = {
+    "insert": (
+        lambda x, r, c, v: esb.insert(x, (r, c), v),
+        lambda x, r, c, v: ref.jnp_insert(x, (r, c), v, 1),
+    ),
+    "pop": (
+        lambda x, r, c, v: esb.pop(x, (r, c)),
+        lambda x, r, c, v: ref.jnp_pop(x, (r, c), 1),
+    ),
+    "dynamic_slice": (
+        lambda x, r, c, v: esb.dynamic_slice(x, (r, c // 2), (1, 3)),
+        lambda x, r, c, v: lax.dynamic_slice(x, (r, c // 2), (1, 3)),
+    ),
+    "dynamic_update_slice": (
+        lambda x, r, c, v: esb.dynamic_update_slice(x, jnp.full((1, 2), v), (r, c // 2)),
+        lambda x, r, c, v: lax.dynamic_update_slice(x, jnp.full((1, 2), v), (r, c // 2)),
+    ),
+}
+
+# Which arguments are batched: everything; only the indices (one shared buffer);
+# only the buffer.
+IN_AXES = [(0, 0, 0, 0), (None, 0, 0, None), (0, None, None, None)]
+
+
+def _args_for(in_axes, x, r, c, v):
+    return tuple(a if ax == 0 else a[0] for a, ax in zip((x, r, c, v), in_axes))
+
+
+@pytest.mark.parametrize("in_axes", IN_AXES, ids=["all", "indices", "buffer"])
+@pytest.mark.parametrize("op", list(OPS))
+def test_vmap_matches_reference(op, in_axes):
+    f, g = OPS[op]
+    args = _args_for(in_axes, *_data())
+    a = jax.vmap(f, in_axes)(*args)
+    b = jax.vmap(g, in_axes)(*args)
+    for p, q in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+        np.testing.assert_allclose(p, q, rtol=1e-12)
+
+
+def _loss(fn):
+    return lambda x, r, c, v: sum(
+        (jnp.sin(o) * (1 + jnp.arange(o.size).reshape(o.shape))).sum()
+        for o in jax.tree.leaves(fn(x, r, c, v))
+    )
+
+
+@pytest.mark.parametrize("op", list(OPS))
+def test_vmap_of_grad(op):
+    f, g = OPS[op]
+    x, r, c, v = _data(1)
+    a = jax.vmap(jax.grad(_loss(f), argnums=(0, 3)))(x, r, c, v)
+    b = jax.vmap(jax.grad(_loss(g), argnums=(0, 3)))(x, r, c, v)
+    for p, q in zip(a, b):
+        np.testing.assert_allclose(p, q, rtol=1e-12)
+
+
+@pytest.mark.parametrize("op", list(OPS))
+def test_grad_of_vmap(op):
+    f, g = OPS[op]
+    x, r, c, v = _data(2)
+    total = lambda fn: lambda x, r, c, v: jax.vmap(_loss(fn))(x, r, c, v).sum()
+    a = jax.grad(total(f), argnums=(0, 3))(x, r, c, v)
+    b = jax.grad(total(g), argnums=(0, 3))(x, r, c, v)
+    for p, q in zip(a, b):
+        np.testing.assert_allclose(p, q, rtol=1e-12)
+
+
+def test_vmap_inside_scan_of_shiftbuffers():
+    x, _, _, _ = _data(3)
+    rng = np.random.default_rng(3)
+    rows = jnp.asarray(rng.integers(0, SHAPE[0], (5, B, 2)), jnp.int32)
+    cols = jnp.asarray(rng.integers(0, SHAPE[1], (5, B, 2)), jnp.int32)
+
+    def run(lib):
+        def one(buf, r, c, p):
+            if lib:
+                buf = buf.insert((r[0], c[0]), p)
+                buf, out = buf.pop((r[1], c[1]))
+            else:
+                buf = ref.jnp_insert(buf, (r[0], c[0]), p, 1)
+                buf, out = ref.jnp_pop(buf, (r[1], c[1]), 1)
+            return buf, out
+
+        def loss(x, p):
+            init = jax.vmap(esb.ShiftBuffer.from_array)(x) if lib else x
+            step = lambda b, rc: jax.vmap(one, (0, 0, 0, None))(b, rc[0], rc[1], p)
+            buf, outs = lax.scan(step, init, (rows, cols))
+            arr = buf.array if lib else buf
+            return (jnp.cos(arr)).sum() + (outs * outs).sum()
+
+        return jax.value_and_grad(loss, argnums=(0, 1))(x, jnp.float64(0.3))
+
+    (l1, g1), (l2, g2) = run(True), run(False)
+    np.testing.assert_allclose(l1, l2, rtol=1e-12)
+    for p, q in zip(g1, g2):
+        np.testing.assert_allclose(p, q, rtol=1e-12)
