@@ -14,6 +14,7 @@ from __future__ import annotations
 import weakref
 from typing import Any
 
+
 _pending: dict[int, tuple[weakref.ReferenceType, Any, Any]] = {}
 
 
