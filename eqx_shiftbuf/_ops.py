@@ -80,19 +80,21 @@ def _check_scalar_index(i: Any, argname: str, pos: int, bound: int) -> jax.Array
             f"{what} must be a scalar (0-d); got an array of shape {arr.shape}. "
             "Use jax.vmap to apply an operation at many indices."
         )
-    arr = arr.astype(jnp.int32)
+    # Check the bounds in the index's own dtype, then cast: casting first would wrap
+    # an out-of-range int64 into range.
     if not isinstance(arr, Tracer):
         value = int(arr)
         if not 0 <= value <= bound:
             raise IndexError(
                 f"{what}={value} is out of range: valid values are 0 to {bound}."
             )
-        return arr
-    return eqx.error_if(
+        return arr.astype(jnp.int32)
+    arr = eqx.error_if(
         arr,
         (arr < 0) | (arr > bound),
         f"{what} is out of range: valid values are 0 to {bound}.",
     )
+    return arr.astype(jnp.int32)
 
 
 def _index_entries(index: Any, argname: str, count: int, what: str) -> list[Any]:
@@ -232,11 +234,6 @@ def _base_token(storage: Any, arrays: Sequence[Any]) -> jax.Array:
     return P.opaque_zero(lax.stop_gradient(storage.reshape(-1)[:1]))
 
 
-def _same_trace(a: Any, b: Any) -> bool:
-    ta = getattr(a, "_trace", None)
-    return ta is not None and ta is getattr(b, "_trace", None)
-
-
 def _rebuild(x: Any, storage: Any) -> Any:
     SB = ShiftBufferType()
     if isinstance(x, SB):
@@ -244,8 +241,21 @@ def _rebuild(x: Any, storage: Any) -> Any:
     return storage
 
 
-def _eqx_line_index(idx: Sequence[jax.Array]) -> tuple:
-    return tuple(idx[:-1])
+def _refuse_eqx_shift(x: Any, name: str) -> None:
+    # Equinox's buffers are write-once: its checkpointed loops replay each step's
+    # backward pass against the *final* buffer and pass the cotangent through a write
+    # without zeroing it (equinox/internal/_loop/common.py, `maybe_set_p`). A shift
+    # reads the line it then overwrites, so its gradient there would be silently
+    # wrong (a popped value is replayed from the shifted line). Refuse it outright:
+    # whether the step will be differentiated is not known when it is traced.
+    if _EqxBuffer and isinstance(x, _EqxBuffer):
+        raise TypeError(
+            f"esb.{name} cannot edit an equinox.internal loop buffer: those are "
+            "write-once, and a shift rewrites the line it reads, which Equinox "
+            "differentiates wrongly. Keep the array in the carry as an "
+            "eqx_shiftbuf.ShiftBuffer (not in `buffers=`). esb.dynamic_slice and "
+            "esb.dynamic_update_slice do accept Equinox buffers."
+        )
 
 
 def _eqx_window_index(starts: Sequence[jax.Array], sizes: Sequence[int]) -> tuple:
@@ -289,7 +299,7 @@ def dynamic_slice(
         return lax.dynamic_slice(storage, starts, sizes)
     tok = _base_token(storage, starts)
     new_storage, window, _ = P.bind_read(storage, tok, starts, sizes)
-    if isinstance(x, ShiftBufferType()) and _same_trace(new_storage, storage):
+    if isinstance(x, ShiftBufferType()) and _tokens.same_trace(new_storage, storage):
         # Thread the read through the buffer object itself, so that whatever the
         # caller does next with `x` (write it, or return it from a scan step) uses the
         # storage the read returned: see `_primitives`, "Why reads return the storage".
@@ -346,7 +356,8 @@ def insert(
 
     **Arguments:**
 
-    - `x`: a JAX array, a [`eqx_shiftbuf.ShiftBuffer`][], or an Equinox loop buffer.
+    - `x`: a JAX array or a [`eqx_shiftbuf.ShiftBuffer`][]. (Not an Equinox loop
+      buffer: those are write-once, and a shift rewrites what it reads.)
     - `index`: a tuple of integer scalars, one per dimension up to and including
       `axis` (a bare scalar when `axis` is 0).
     - `value`: an array of shape `x.shape[axis+1:]` (a scalar when `axis` is the last).
@@ -356,14 +367,11 @@ def insert(
 
     The buffer after the insert, of the same kind as `x`.
     """
+    _refuse_eqx_shift(x, "insert")
     storage, ax, _ = _storage_and_axis(x, axis, None)
     idx = check_index(index, storage.shape, ax)
     vshape = storage.shape[ax + 1 :]
     val = check_value(value, vshape, storage.dtype, "value", f"x.shape[{ax}+1:]")
-    if _EqxBuffer and isinstance(x, _EqxBuffer):
-        line = storage[_eqx_line_index(idx)]
-        new = P._insert_line(line[None], [jnp.int32(0), idx[-1]], val, 1)[0]
-        return x.at[_eqx_line_index(idx)].set(new)
     tok = _base_token(storage, idx + [val])
     return _rebuild(x, P.bind_insert(storage, tok, val, idx, ax))
 
@@ -382,7 +390,8 @@ def pop(
 
     **Arguments:**
 
-    - `x`: a JAX array, a [`eqx_shiftbuf.ShiftBuffer`][], or an Equinox loop buffer.
+    - `x`: a JAX array or a [`eqx_shiftbuf.ShiftBuffer`][]. (Not an Equinox loop
+      buffer: those are write-once, and a shift rewrites what it reads.)
     - `index`: a tuple of integer scalars, one per dimension up to and including
       `axis`.
     - `axis`: the shift axis; a `ShiftBuffer` uses its own. Default `-1`.
@@ -394,14 +403,10 @@ def pop(
     `(buffer, removed)`: the buffer after the removal, of the same kind as `x`, and
     the removed element, of shape `x.shape[axis+1:]`.
     """
+    _refuse_eqx_shift(x, "pop/delete")
     storage, ax, fill = _storage_and_axis(x, axis, fill)
     fill = _check_fill(fill, storage.dtype)
     idx = check_index(index, storage.shape, ax)
-    if _EqxBuffer and isinstance(x, _EqxBuffer):
-        line = storage[_eqx_line_index(idx)]
-        removed = lax.dynamic_index_in_dim(line, idx[-1], 0, keepdims=False)
-        new = P._delete_line(line[None], [jnp.int32(0), idx[-1]], 1, fill)[0]
-        return x.at[_eqx_line_index(idx)].set(new), removed
     tok = _base_token(storage, idx)
     new_storage, removed = P.bind_pop(storage, tok, idx, ax, fill)
     return _rebuild(x, new_storage), removed
@@ -441,4 +446,4 @@ def _check_fill(fill: Any, dtype: Any) -> Any:
     return fill
 
 
-del operator, _tokens
+del operator

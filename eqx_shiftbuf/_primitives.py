@@ -286,8 +286,11 @@ def bind_read(storage, tok, starts, sizes):
     storage, tok = _tokens.resolve(storage, tok)
     storage, window, tok2 = read_p.bind(storage, tok, *starts, sizes=tuple(sizes))
     # Both the storage that was read and the storage the read returned now have a
-    # pending read: the next access on either must come after it.
-    _tokens.record(key, tok2, storage)
+    # pending read: the next access on either must come after it. Only a key of the
+    # same trace is recorded: a closed-over array, or a tracer of an outer trace,
+    # outlives this trace and must not be redirected to one of its tracers.
+    if _tokens.same_trace(key, storage):
+        _tokens.record(key, tok2, storage)
     _tokens.record(storage, tok2)
     return storage, window, tok2
 

@@ -39,5 +39,11 @@ def resolve(storage: Any, tok: Any) -> tuple[Any, Any]:
     return replacement, pending if tok is None else tok + pending
 
 
+def same_trace(a: Any, b: Any) -> bool:
+    """Whether `a` and `b` are tracers of one and the same trace."""
+    ta = getattr(a, "_trace", None)
+    return ta is not None and ta is getattr(b, "_trace", None)
+
+
 def clear() -> None:
     _pending.clear()

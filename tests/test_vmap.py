@@ -39,8 +39,12 @@ OPS = {
         lambda x, r, c, v: lax.dynamic_slice(x, (r, c // 2), (1, 3)),
     ),
     "dynamic_update_slice": (
-        lambda x, r, c, v: esb.dynamic_update_slice(x, jnp.full((1, 2), v), (r, c // 2)),
-        lambda x, r, c, v: lax.dynamic_update_slice(x, jnp.full((1, 2), v), (r, c // 2)),
+        lambda x, r, c, v: esb.dynamic_update_slice(
+            x, jnp.full((1, 2), v), (r, c // 2)
+        ),
+        lambda x, r, c, v: lax.dynamic_update_slice(
+            x, jnp.full((1, 2), v), (r, c // 2)
+        ),
     ),
 }
 

@@ -1,0 +1,587 @@
+"""Bad input is an error that names the argument, what was expected and what was given.
+
+Concrete (Python / NumPy / non-traced JAX) indices are checked when the operation is
+called; traced indices are checked when the compiled program runs, through
+`equinox.error_if`. An out-of-range index is never clamped, unlike `lax.dynamic_slice`.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+
+import eqx_shiftbuf as esb
+
+from . import reference as ref
+
+
+ROWS, CAPACITY = 3, 4
+
+
+def buffer(dtype=jnp.float32):
+    """A fresh (ROWS, CAPACITY) buffer holding 0, 1, 2, ... (fresh: see the last test)."""
+    return jnp.arange(ROWS * CAPACITY).reshape(ROWS, CAPACITY).astype(dtype)
+
+
+# Each operation, called as `op(x, idx)` with one index tuple; `argname` is how the
+# operation names that argument in its errors, and `bound(k)` the largest valid value
+# of entry k for these window sizes.
+OPS = {
+    "insert": (lambda x, idx: esb.insert(x, idx, 1.0), "index", (2, 3)),
+    "delete": (lambda x, idx: esb.delete(x, idx), "index", (2, 3)),
+    "pop": (lambda x, idx: esb.pop(x, idx), "index", (2, 3)),
+    "dynamic_slice": (
+        lambda x, idx: esb.dynamic_slice(x, idx, (1, 2)),
+        "start_indices",
+        (2, 2),
+    ),
+    "dynamic_update_slice": (
+        lambda x, idx: esb.dynamic_update_slice(x, jnp.ones((1, 2), x.dtype), idx),
+        "start_indices",
+        (2, 2),
+    ),
+}
+
+# (position of the bad entry, its value): one past the end of each dimension (for
+# insert, column == capacity), and negative.
+BAD_ENTRIES = [
+    pytest.param(1, "past_end", id="column-past-end"),
+    pytest.param(0, "past_end", id="row-past-end"),
+    pytest.param(0, -1, id="negative-row"),
+    pytest.param(1, -1, id="negative-column"),
+]
+
+
+def bad_index(op_name: str, pos: int, value) -> tuple[tuple[int, int], int]:
+    _, _, bounds = OPS[op_name]
+    if value == "past_end":
+        value = bounds[pos] + 1
+    idx = [0, 0]
+    idx[pos] = value
+    return tuple(idx), value
+
+
+requires_raise = pytest.mark.skipif(
+    os.environ.get("EQX_ON_ERROR", "raise") != "raise",
+    reason="run-time index checks raise only with EQX_ON_ERROR=raise (the default)",
+)
+
+# What a failed `equinox.error_if` raises when the program runs: `jax.jit` surfaces it
+# as a `JaxRuntimeError` (the XLA callback error); `eqx.filter_jit` as an
+# `EquinoxRuntimeError`. Both carry the library's message.
+RUNTIME_ERRORS = (jax.errors.JaxRuntimeError, eqx.EquinoxRuntimeError)
+
+
+# ---------------------------------------------------------------------------
+# Index out of range, known when the operation is called.
+
+
+@pytest.mark.parametrize("op_name", list(OPS))
+@pytest.mark.parametrize("pos, value", BAD_ENTRIES)
+def test_python_int_index_out_of_range_is_an_index_error(op_name, pos, value):
+    op, argname, bounds = OPS[op_name]
+    idx, value = bad_index(op_name, pos, value)
+    message = (
+        f"`{argname}`[{pos}]={value} is out of range: valid values are 0 to "
+        f"{bounds[pos]}."
+    )
+    with pytest.raises(IndexError, match=re.escape(message)):
+        op(buffer(), idx)
+
+
+def test_insert_at_column_equal_to_capacity_is_an_index_error():
+    # There is no "append" position: an insert must land inside the line.
+    with pytest.raises(
+        IndexError,
+        match=re.escape(
+            f"`index`[1]={CAPACITY} is out of range: valid values are 0 to 3"
+        ),
+    ):
+        esb.insert(buffer(), (0, CAPACITY), 1.0)
+
+
+@pytest.mark.parametrize(
+    "make_entry",
+    [np.int32, np.int64, jnp.int32],
+    ids=["numpy-int32", "numpy-int64", "concrete-jax-int32"],
+)
+def test_concrete_array_index_out_of_range_is_an_index_error(make_entry):
+    with pytest.raises(
+        IndexError,
+        match=re.escape("`index`[0]=3 is out of range: valid values are 0 to 2."),
+    ):
+        esb.delete(buffer(), (make_entry(3), 0))
+
+
+def test_shift_buffer_methods_check_indices_like_the_free_functions():
+    sb = esb.ShiftBuffer.from_array(buffer())
+    with pytest.raises(IndexError, match=re.escape("`index`[1]=4 is out of range")):
+        sb.insert((0, 4), 1.0)
+    with pytest.raises(IndexError, match=re.escape("`index`[0]=-1 is out of range")):
+        sb.pop((-1, 0))
+    with pytest.raises(IndexError, match=re.escape("`start_indices`[1]=3 is out of")):
+        sb.dynamic_slice((0, 3), (1, 2))
+
+
+# ---------------------------------------------------------------------------
+# Index out of range, known only when the compiled program runs.
+
+
+@requires_raise
+@pytest.mark.parametrize("op_name", list(OPS))
+@pytest.mark.parametrize("pos, value", BAD_ENTRIES)
+def test_traced_index_out_of_range_raises_when_the_jitted_function_runs(
+    op_name, pos, value
+):
+    op, argname, bounds = OPS[op_name]
+    idx, value = bad_index(op_name, pos, value)
+    run = jax.jit(lambda x, i: op(x, i))
+    message = (
+        f"`{argname}`[{pos}] is out of range: valid values are 0 to {bounds[pos]}."
+    )
+    with pytest.raises(RUNTIME_ERRORS, match=re.escape(message)):
+        jax.block_until_ready(run(buffer(), idx))
+
+
+@requires_raise
+def test_traced_index_out_of_range_under_filter_jit_is_an_equinox_runtime_error():
+    run = eqx.filter_jit(lambda x, i: esb.insert(x, (0, i), 1.0))
+    with pytest.raises(
+        eqx.EquinoxRuntimeError,
+        match=re.escape("`index`[1] is out of range: valid values are 0 to 3."),
+    ):
+        jax.block_until_ready(run(buffer(), jnp.int32(CAPACITY)))
+
+
+@requires_raise
+def test_traced_out_of_range_start_is_not_clamped_like_lax_dynamic_slice():
+    x = jnp.arange(4.0)
+    start = 3  # a window of 2 would start at 3: lax clamps it to 2
+    clamped = jax.jit(lambda x, i: lax.dynamic_slice(x, (i,), (2,)))(x, start)
+    np.testing.assert_array_equal(clamped, [2.0, 3.0])
+
+    run = jax.jit(lambda x, i: esb.dynamic_slice(x, (i,), (2,)))
+    with pytest.raises(RUNTIME_ERRORS, match="out of range"):
+        jax.block_until_ready(run(x, start))
+
+
+@requires_raise
+def test_traced_out_of_range_write_does_not_silently_corrupt_the_buffer():
+    x = jnp.arange(4.0)
+    run = jax.jit(lambda x, i: esb.dynamic_update_slice(x, jnp.ones(2), (i,)))
+    with pytest.raises(RUNTIME_ERRORS, match="out of range"):
+        jax.block_until_ready(run(x, 3))
+
+
+# 2**32 + 1 is 1 and -2**32 + 2 is 2 after a cast to int32: the range check must see
+# the index as given, not its int32 wrap-around.
+WRAPPING_INT64 = [
+    pytest.param(2**32 + 1, id="2**32+1"),
+    pytest.param(-(2**32) + 2, id="-2**32+2"),
+]
+
+
+@pytest.mark.parametrize("value", WRAPPING_INT64)
+def test_concrete_int64_index_out_of_range_is_not_wrapped_into_range(value):
+    with jax.enable_x64(True):
+        x = jnp.arange(4.0)
+        with pytest.raises(IndexError, match=re.escape(f"`start_indices`[0]={value}")):
+            esb.dynamic_slice(x, (jnp.asarray(value, jnp.int64),), (1,))
+
+
+@requires_raise
+@pytest.mark.parametrize("value", WRAPPING_INT64)
+def test_traced_int64_index_out_of_range_is_not_wrapped_into_range(value):
+    with jax.enable_x64(True):
+        x = jnp.arange(4.0)
+        run = jax.jit(lambda x, i: esb.dynamic_slice(x, (i,), (1,)))
+        with pytest.raises(RUNTIME_ERRORS, match="out of range"):
+            jax.block_until_ready(run(x, jnp.asarray(value, jnp.int64)))
+
+
+def test_traced_index_in_range_runs_and_matches_numpy():
+    x = buffer()
+    run = jax.jit(lambda x, r, c: esb.insert(x, (r, c), 9.0))
+    np.testing.assert_array_equal(
+        run(x, 2, 3), ref.insert(np.asarray(x), (2, 3), 9.0, axis=1)
+    )
+
+
+# ---------------------------------------------------------------------------
+# Index of the wrong type or length.
+
+
+@pytest.mark.parametrize("op_name", list(OPS))
+def test_python_float_index_is_a_type_error(op_name):
+    op, argname, _ = OPS[op_name]
+    with pytest.raises(
+        TypeError,
+        match=re.escape(f"`{argname}`[1] must be an integer; got the float 1.0"),
+    ):
+        op(buffer(), (0, 1.0))
+
+
+@pytest.mark.parametrize("op_name", list(OPS))
+def test_float32_array_index_is_a_type_error(op_name):
+    op, argname, _ = OPS[op_name]
+    with pytest.raises(
+        TypeError,
+        match=re.escape(
+            f"`{argname}`[1] must be an integer scalar; got an array of dtype float32."
+        ),
+    ):
+        op(buffer(), (0, jnp.float32(1)))
+
+
+def test_traced_float_index_is_a_type_error_at_trace_time():
+    run = jax.jit(lambda x, i: esb.insert(x, (0, i), 1.0))
+    with pytest.raises(
+        TypeError, match=re.escape("`index`[1] must be an integer scalar")
+    ):
+        run(buffer(), jnp.float32(1))
+
+
+def test_bool_index_is_a_type_error():
+    with pytest.raises(
+        TypeError, match=re.escape("`index`[1] must be an integer; got")
+    ):
+        esb.delete(buffer(), (0, True))
+
+
+def test_non_scalar_index_is_a_type_error_that_suggests_vmap():
+    with pytest.raises(
+        TypeError,
+        match=re.escape("`index`[1] must be a scalar (0-d); got an array of shape (2,)")
+        + ".*vmap",
+    ):
+        esb.delete(buffer(), (0, jnp.array([1, 2])))
+
+
+@pytest.mark.parametrize(
+    "op_name, idx, expected",
+    [
+        (
+            "insert",
+            (1,),
+            "`index` must have 2 entries (one per dimension up to and "
+            "including axis 1); got 1.",
+        ),
+        (
+            "pop",
+            (0, 1, 2),
+            "`index` must have 2 entries (one per dimension up to and "
+            "including axis 1); got 3.",
+        ),
+        (
+            "dynamic_slice",
+            (0,),
+            "`start_indices` must have 2 entries (one per buffer dimension); got 1.",
+        ),
+        (
+            "dynamic_update_slice",
+            (0, 0, 0),
+            "`start_indices` must have 2 entries (one per buffer dimension); got 3.",
+        ),
+    ],
+)
+def test_wrong_number_of_index_entries_is_a_value_error(op_name, idx, expected):
+    op, _, _ = OPS[op_name]
+    with pytest.raises(ValueError, match=re.escape(expected)):
+        op(buffer(), idx)
+
+
+def test_bare_scalar_index_for_a_2d_line_is_a_type_error():
+    with pytest.raises(
+        TypeError,
+        match=re.escape("`index` must be a tuple of 2 integer scalars") + ".*got 1",
+    ):
+        esb.delete(buffer(), 1)
+
+
+# ---------------------------------------------------------------------------
+# Values and updates of the wrong shape.
+
+
+def test_insert_value_of_the_wrong_shape_is_a_value_error():
+    with pytest.raises(
+        ValueError,
+        match=re.escape("`value` must have shape () (x.shape[1+1:]); got shape (2,)."),
+    ):
+        esb.insert(buffer(), (0, 1), jnp.ones(2))
+
+
+def test_insert_feature_vector_of_the_wrong_shape_is_a_value_error():
+    x = jnp.zeros((2, 5, 3))
+    with pytest.raises(
+        ValueError,
+        match=re.escape(
+            "`value` must have shape (3,) (x.shape[1+1:]); got shape (4,)."
+        ),
+    ):
+        esb.insert(x, (0, 1), jnp.ones(4), axis=1)
+
+
+def test_update_larger_than_the_buffer_is_a_value_error():
+    with pytest.raises(
+        ValueError,
+        match=re.escape(
+            "`update` of shape (4, 4) is larger than the buffer of shape (3, 4) "
+            "along dimension 0."
+        ),
+    ):
+        esb.dynamic_update_slice(buffer(), jnp.ones((4, 4)), (0, 0))
+
+
+def test_update_of_the_wrong_rank_is_a_value_error():
+    with pytest.raises(
+        ValueError,
+        match=re.escape(
+            "`update` must have the buffer's rank 2; got shape (4,) for a buffer of "
+            "shape (3, 4)."
+        ),
+    ):
+        esb.dynamic_update_slice(buffer(), jnp.ones(4), (0, 0))
+
+
+@pytest.mark.parametrize(
+    "sizes, expected",
+    [
+        (
+            (4, 1),
+            "`slice_sizes`[0]=4 does not fit the buffer: valid sizes are 0 to 3 "
+            "(buffer shape (3, 4)).",
+        ),
+        ((1, 5), "`slice_sizes`[1]=5 does not fit the buffer: valid sizes are 0 to 4"),
+        ((1, -1), "`slice_sizes`[1]=-1 does not fit the buffer"),
+    ],
+    ids=["rows", "columns", "negative"],
+)
+def test_slice_sizes_that_do_not_fit_the_buffer_are_a_value_error(sizes, expected):
+    with pytest.raises(ValueError, match=re.escape(expected)):
+        esb.dynamic_slice(buffer(), (0, 0), sizes)
+
+
+def test_wrong_number_of_slice_sizes_is_a_value_error():
+    with pytest.raises(
+        ValueError,
+        match=re.escape(
+            "`slice_sizes` must have one entry per buffer dimension (2); got 1."
+        ),
+    ):
+        esb.dynamic_slice(buffer(), (0, 0), (1,))
+
+
+# ---------------------------------------------------------------------------
+# `axis`.
+
+
+@pytest.mark.parametrize("axis", [2, -3])
+def test_insert_axis_out_of_range_is_a_value_error(axis):
+    with pytest.raises(
+        ValueError,
+        match=re.escape(
+            f"`axis`={axis} is out of range for a buffer with 2 dimensions "
+            "(valid: -2 to 1)."
+        ),
+    ):
+        esb.insert(buffer(), (0, 1), 1.0, axis=axis)
+
+
+@pytest.mark.parametrize("axis", [2, -3])
+def test_shift_buffer_from_array_axis_out_of_range_is_a_value_error(axis):
+    with pytest.raises(
+        ValueError,
+        match=re.escape(
+            f"`axis`={axis} is out of range for a buffer with 2 dimensions "
+            "(valid: -2 to 1)."
+        ),
+    ):
+        esb.ShiftBuffer.from_array(buffer(), axis=axis)
+
+
+def test_non_int_axis_is_a_type_error():
+    with pytest.raises(
+        TypeError, match=re.escape("`axis` must be a Python int; got 1.0")
+    ):
+        esb.insert(buffer(), (0, 1), 1.0, axis=1.0)
+
+
+def test_axis_that_contradicts_a_shift_buffer_is_a_value_error():
+    sb = esb.ShiftBuffer.from_array(buffer(), axis=1)
+    with pytest.raises(
+        ValueError,
+        match=re.escape("`axis`=0 differs from the ShiftBuffer's own axis 1"),
+    ):
+        esb.insert(sb, 0, jnp.ones(4), axis=0)
+
+
+# ---------------------------------------------------------------------------
+# The buffer itself, and `fill`.
+
+
+def test_buffer_that_is_not_an_array_is_a_type_error():
+    with pytest.raises(TypeError, match="The buffer must be a JAX array.*; got list"):
+        esb.insert([0.0, 1.0], 0, 1.0)
+
+
+def test_scalar_buffer_is_a_value_error():
+    with pytest.raises(
+        ValueError, match=re.escape("at least one dimension; got a scalar")
+    ):
+        esb.insert(jnp.float32(0), 0, 1.0)
+
+
+def test_fill_not_representable_in_an_integer_buffer_is_a_type_error():
+    with pytest.raises(
+        TypeError,
+        match=re.escape("`fill`=1.5 is not representable in the buffer's dtype int32."),
+    ):
+        esb.delete(buffer(jnp.int32), (0, 1), fill=1.5)
+
+
+def test_array_fill_is_a_type_error():
+    with pytest.raises(TypeError, match=re.escape("`fill` must be a Python scalar")):
+        esb.delete(buffer(), (0, 1), fill=jnp.float32(0))
+
+
+# ---------------------------------------------------------------------------
+# Integer buffers hold integers and are not differentiable.
+
+
+def test_grad_with_respect_to_an_int32_buffer_is_a_type_error():
+    loss = lambda x: esb.insert(x, (0, 1), 5).sum()
+    with pytest.raises(TypeError, match="grad requires.*got int32"):
+        jax.grad(loss)(buffer(jnp.int32))
+
+
+@pytest.mark.parametrize(
+    "write",
+    [
+        pytest.param(lambda x, p: esb.insert(x, (0, 1), p), id="insert"),
+        pytest.param(
+            lambda x, p: esb.dynamic_update_slice(x, jnp.full((1, 1), p), (0, 1)),
+            id="dynamic_update_slice",
+        ),
+    ],
+)
+def test_grad_through_a_float_written_into_an_int32_buffer_is_a_type_error(write):
+    loss = lambda p: write(buffer(jnp.int32), p).sum().astype(jnp.float32)
+    with pytest.raises(
+        TypeError,
+        match=r"has floating dtype float\d+ but the buffer has dtype int32: an "
+        r"integer buffer holds integers only",
+    ):
+        jax.grad(loss)(2.0)
+
+
+def test_writing_a_float_into_an_int32_buffer_is_a_type_error_even_without_grad():
+    with pytest.raises(
+        TypeError,
+        match=re.escape(
+            "`value` has floating dtype float32 but the buffer has dtype int32"
+        ),
+    ):
+        esb.insert(buffer(jnp.int32), (0, 1), jnp.float32(2.0))
+
+
+def test_an_int32_buffer_carried_through_grad_gets_a_float0_cotangent():
+    # allow_int=True: the integer buffer is an input, its cotangent is symbolic zero.
+    loss = lambda x: esb.insert(x, (0, 1), 5).astype(jnp.float32).sum()
+    g = jax.grad(loss, allow_int=True)(buffer(jnp.int32))
+    assert g.dtype == jax.dtypes.float0
+    assert g.shape == (ROWS, CAPACITY)
+
+
+# ---------------------------------------------------------------------------
+# Integer and bool buffers work (without grad), exactly as the NumPy model.
+
+
+def int_or_bool_buffer(dtype):
+    x = buffer(jnp.int32)
+    return (x % 3 == 0) if dtype == jnp.bool_ else x.astype(dtype)
+
+
+DTYPES_AND_SCALARS = [
+    pytest.param(jnp.int32, -5, id="int32"),
+    pytest.param(jnp.bool_, True, id="bool"),
+]
+
+
+@pytest.mark.parametrize("dtype, value", DTYPES_AND_SCALARS)
+@pytest.mark.parametrize("idx", [(0, 0), (1, 2), (2, 3)])
+def test_integer_and_bool_insert_matches_numpy(dtype, value, idx):
+    x = int_or_bool_buffer(dtype)
+    out = esb.insert(x, idx, value)
+    assert out.dtype == dtype
+    np.testing.assert_array_equal(out, ref.insert(np.asarray(x), idx, value, axis=1))
+
+
+@pytest.mark.parametrize("dtype, fill", DTYPES_AND_SCALARS)
+@pytest.mark.parametrize("idx", [(0, 0), (1, 2), (2, 3)])
+def test_integer_and_bool_delete_matches_numpy(dtype, fill, idx):
+    x = int_or_bool_buffer(dtype)
+    out = esb.delete(x, idx, fill=fill)
+    assert out.dtype == dtype
+    np.testing.assert_array_equal(
+        out, ref.delete(np.asarray(x), idx, axis=1, fill=fill)
+    )
+
+
+@pytest.mark.parametrize("dtype, fill", DTYPES_AND_SCALARS)
+@pytest.mark.parametrize("idx", [(0, 0), (1, 2), (2, 3)])
+def test_integer_and_bool_pop_matches_numpy(dtype, fill, idx):
+    x = int_or_bool_buffer(dtype)
+    out, removed = esb.pop(x, idx, fill=fill)
+    expected, expected_removed = ref.pop(np.asarray(x), idx, axis=1, fill=fill)
+    assert out.dtype == removed.dtype == dtype
+    np.testing.assert_array_equal(out, expected)
+    np.testing.assert_array_equal(removed, expected_removed)
+
+
+@pytest.mark.parametrize("dtype, value", DTYPES_AND_SCALARS)
+def test_integer_and_bool_shift_buffer_in_a_scan_matches_numpy(dtype, value):
+    x = int_or_bool_buffer(dtype)
+    ops = [("insert", (0, 1)), ("pop", (1, 3)), ("insert", (2, 0)), ("pop", (0, 0))]
+
+    def step(sb, k):
+        kind, (r, c) = ops[k]
+        if kind == "insert":
+            return sb.insert((r, c), value), jnp.zeros((), dtype)
+        return sb.pop((r, c))
+
+    def body(sb, k):
+        branches = [lambda sb, k=k: step(sb, k) for k in range(len(ops))]
+        return lax.switch(k, branches, sb)
+
+    sb, removed = lax.scan(body, esb.ShiftBuffer.from_array(x), jnp.arange(len(ops)))
+
+    expected, expected_removed = np.asarray(x), []
+    for kind, idx in ops:
+        if kind == "insert":
+            expected = ref.insert(expected, idx, value, axis=1)
+            expected_removed.append(np.zeros((), dtype))
+        else:
+            expected, r = ref.pop(expected, idx, axis=1)
+            expected_removed.append(r)
+    np.testing.assert_array_equal(sb.array, expected)
+    np.testing.assert_array_equal(removed, np.stack(expected_removed))
+
+
+# ---------------------------------------------------------------------------
+# A finished trace leaves nothing behind.
+
+
+def test_a_jitted_read_of_a_closed_over_array_does_not_poison_later_calls():
+    # Regression: the read token recorded (in `_tokens`) for a concrete array that a
+    # jitted function closed over is a tracer of that finished trace; the next
+    # operation on the same array must not pick it up.
+    x = jnp.arange(4.0)
+    jax.jit(lambda i: esb.dynamic_slice(x, (i,), (1,)))(0)
+    np.testing.assert_array_equal(esb.insert(x, 0, 9.0), [9.0, 0.0, 1.0, 2.0])
