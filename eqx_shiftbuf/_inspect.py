@@ -29,6 +29,12 @@ _COPY = re.compile(r"^(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*?)\s+(copy|copy-start)\(
 _ARRAY = re.compile(r"(\w+)\[([\d,]*)\]")
 _OP_NAME = re.compile(r'op_name="([^"]*)"')
 _SOURCE = re.compile(r'source_file="([^"]*)"\s+source_line=(\d+)')
+_FRAME_ID = re.compile(r"stack_frame_id=(\d+)")
+_INSTR = re.compile(r"^(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*)$")
+_OPERANDS = re.compile(r"%([\w.\-]+)")
+# Frames in these packages are skipped when naming the source line of a copy: the
+# user's line that called into them is the useful one.
+_LIBRARY_PATHS = ("/jax/", "/jaxlib/", "/equinox/", "/eqx_shiftbuf/")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,6 +66,56 @@ class LoopCopy:
             f"copy of {self.shape} ({self.nbytes} bytes) in loop computation "
             f"{self.computation!r}{op}{where}"
         )
+
+
+def _stack_frames(hlo: str) -> dict[int, str]:
+    """`stack_frame_id` -> `file:line`, from the module's stack-frame tables."""
+    section = None
+    files: dict[int, str] = {}
+    locations: dict[int, tuple[int, int]] = {}
+    parents: dict[int, tuple[int, int]] = {}
+    for line in hlo.splitlines():
+        word = line.strip()
+        if word in ("FileNames", "FunctionNames", "FileLocations", "StackFrames"):
+            section = word
+            continue
+        if not word or word.startswith(("HloModule", "%", "ENTRY", "}")):
+            if word:
+                section = None
+            continue
+        m = re.match(r"^(\d+)\s+(.*)$", word)
+        if m is None or section is None:
+            continue
+        key, rest = int(m.group(1)), m.group(2)
+        if section == "FileNames":
+            files[key] = rest.strip('"')
+        elif section == "FileLocations":
+            f = re.search(r"file_name_id=(\d+)", rest)
+            n = re.search(r"\bline=(\d+)", rest)
+            if f and n:
+                locations[key] = (int(f.group(1)), int(n.group(1)))
+        elif section == "StackFrames":
+            loc = re.search(r"file_location_id=(\d+)", rest)
+            par = re.search(r"parent_frame_id=(\d+)", rest)
+            if loc:
+                parents[key] = (int(loc.group(1)), int(par.group(1)) if par else 0)
+
+    def describe(frame: int) -> str:
+        chain = []
+        seen = set()
+        while frame in parents and frame not in seen:
+            seen.add(frame)
+            loc, parent = parents[frame]
+            if loc in locations:
+                fid, line = locations[loc]
+                chain.append(f"{files.get(fid, '?')}:{line}")
+            frame = parent
+        for where in chain:  # innermost first: the first frame outside libraries
+            if not any(p in where for p in _LIBRARY_PATHS):
+                return where
+        return chain[0] if chain else ""
+
+    return {frame: describe(frame) for frame in parents}
 
 
 def _parse(hlo: str) -> dict[str, list[str]]:
@@ -122,10 +178,26 @@ def loop_copies_in_hlo(hlo: str, min_bytes: int = 1 << 16) -> list[LoopCopy]:
             continue
         in_loop.add(comp)
         stack.extend(calls[comp])
+    frames = _stack_frames(hlo)
+
+    def origin(line: str) -> tuple[str, str]:
+        op = _OP_NAME.search(line)
+        src = _SOURCE.search(line)
+        frame = _FRAME_ID.search(line)
+        source = f"{src.group(1)}:{src.group(2)}" if src else ""
+        if not source and frame:
+            source = frames.get(int(frame.group(1)), "")
+        return (op.group(1) if op else ""), source
+
     out = []
     for comp in comps:
         if comp not in in_loop:
             continue
+        instrs = {}
+        for line in comps[comp]:
+            m = _INSTR.match(line)
+            if m:
+                instrs[m.group(1)] = line
         for line in comps[comp]:
             m = _COPY.match(line)
             if m is None:
@@ -133,16 +205,39 @@ def loop_copies_in_hlo(hlo: str, min_bytes: int = 1 << 16) -> list[LoopCopy]:
             nbytes, shape = _nbytes(m.group(2))
             if nbytes < min_bytes:
                 continue
-            op = _OP_NAME.search(line)
-            src = _SOURCE.search(line)
+            name = m.group(1)
+            op_name, source = origin(line)
+            if not op_name:
+                # Copies that XLA inserts carry no metadata: name the instruction
+                # that consumes the copy (the write that needed it), else its operand.
+                users = [
+                    other
+                    for other, text in instrs.items()
+                    if other != name
+                    and name in _OPERANDS.findall(text.split("=", 1)[1])
+                ]
+                candidates = [origin(instrs[o]) for o in users if o in instrs]
+                candidates += [
+                    origin(instrs[o])
+                    for o in _OPERANDS.findall(m.group(4))
+                    if o in instrs
+                ]
+                candidates = [c for c in candidates if c[0]]
+                # Prefer the write that needed the copy.
+                writes = [
+                    c for c in candidates if "update_slice" in c[0] or "scatter" in c[0]
+                ]
+                if writes or candidates:
+                    op_name, source = (writes or candidates)[0]
+                    op_name = f"(inserted by XLA for) {op_name}"
             out.append(
                 LoopCopy(
                     computation=comp,
-                    instruction=m.group(1),
+                    instruction=name,
                     shape=shape,
                     nbytes=nbytes,
-                    op_name=op.group(1) if op else "",
-                    source=f"{src.group(1)}:{src.group(2)}" if src else "",
+                    op_name=op_name,
+                    source=source,
                 )
             )
     return out

@@ -200,3 +200,12 @@ def test_detector_accepts_jitted_functions_and_kwargs():
     f = jax.jit(lambda c, xs, *, extra: lax.scan(_pop_read_before_write, c + extra, xs))
     c, xs = _pop_args()
     assert len(esb.find_loop_copies(f, c, xs, extra=1.0)) >= 1
+
+
+def test_detector_names_the_op_and_the_users_source_line():
+    copies = esb.find_loop_copies(_scan(_pop_read_before_write), *_pop_args())
+    assert copies
+    for c in copies:
+        assert c.op_name, c
+        assert "test_in_place.py:" in c.source, c
+        assert "test_in_place.py:" in str(c)
