@@ -78,7 +78,11 @@ def _loop(tok, size: int, body: Callable, state):
 
 def _element(arrays: Sequence[jax.Array], j) -> list[jax.Array]:
     """The `j`-th element (flattened batch order) of each index array."""
-    return [lax.dynamic_index_in_dim(a.reshape(-1), j, keepdims=False) for a in arrays]
+    # Unbatched (0-d) indices are used as they are: no per-iteration slicing.
+    return [
+        a if a.ndim == 0 else lax.dynamic_index_in_dim(a.reshape(-1), j, keepdims=False)
+        for a in arrays
+    ]
 
 
 def _batch_size(idx: Sequence[jax.Array]) -> tuple[tuple[int, ...], int]:
@@ -91,6 +95,8 @@ def _flat(x: jax.Array, bshape: tuple[int, ...]) -> jax.Array:
 
 
 def _take(x: jax.Array, j) -> jax.Array:
+    if x.shape[0] == 1:  # unbatched: no per-iteration slicing
+        return x[0]
     return lax.dynamic_index_in_dim(x, j, keepdims=False)
 
 
