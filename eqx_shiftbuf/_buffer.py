@@ -6,7 +6,6 @@ from collections.abc import Sequence
 from typing import Any
 
 import equinox as eqx
-import jax
 import jax.numpy as jnp
 from jaxtyping import Array, ArrayLike
 
@@ -138,6 +137,3 @@ class ShiftBuffer(eqx.Module):
     def pop(self, index: _ops.IndexTuple) -> tuple["ShiftBuffer", Array]:
         """Remove and return the element at `index`. See [`eqx_shiftbuf.pop`][]."""
         return _ops.pop(self, index)
-
-
-del jax

@@ -6,7 +6,6 @@ time, through `equinox.error_if`), then binds one primitive from `_primitives`.
 
 from __future__ import annotations
 
-import operator
 from collections.abc import Sequence
 from typing import Any, TYPE_CHECKING, Union
 
@@ -444,6 +443,3 @@ def _check_fill(fill: Any, dtype: Any) -> Any:
             )
         fill = int(fill)
     return fill
-
-
-del operator

@@ -43,7 +43,3 @@ def same_trace(a: Any, b: Any) -> bool:
     """Whether `a` and `b` are tracers of one and the same trace."""
     ta = getattr(a, "_trace", None)
     return ta is not None and ta is getattr(b, "_trace", None)
-
-
-def clear() -> None:
-    _pending.clear()
