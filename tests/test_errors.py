@@ -382,14 +382,18 @@ def test_wrong_number_of_slice_sizes_is_a_value_error():
 # `axis`.
 
 
+def _axis_out_of_range(axis):
+    return re.escape(
+        f"`axis`={axis} is out of range for a buffer with 2 dimensions "
+        "(valid: -2 to 1)."
+    )
+
+
 @pytest.mark.parametrize("axis", [2, -3])
 def test_insert_axis_out_of_range_is_a_value_error(axis):
     with pytest.raises(
         ValueError,
-        match=re.escape(
-            f"`axis`={axis} is out of range for a buffer with 2 dimensions "
-            "(valid: -2 to 1)."
-        ),
+        match=_axis_out_of_range(axis),
     ):
         esb.insert(buffer(), (0, 1), 1.0, axis=axis)
 
@@ -398,10 +402,7 @@ def test_insert_axis_out_of_range_is_a_value_error(axis):
 def test_shift_buffer_from_array_axis_out_of_range_is_a_value_error(axis):
     with pytest.raises(
         ValueError,
-        match=re.escape(
-            f"`axis`={axis} is out of range for a buffer with 2 dimensions "
-            "(valid: -2 to 1)."
-        ),
+        match=_axis_out_of_range(axis),
     ):
         esb.ShiftBuffer.from_array(buffer(), axis=axis)
 

@@ -214,6 +214,13 @@ def _compiled(kinds):
     return _COMPILED[kinds]
 
 
+def _random_indices(rng, n_edits):
+    """(STEPS, n_edits, 2) int32 (row, column) pairs, overlapping and out of order."""
+    rows = rng.integers(0, SHAPE[0], (STEPS, n_edits))
+    cols = rng.integers(0, SHAPE[1], (STEPS, n_edits))
+    return jnp.asarray(np.stack([rows, cols], -1), jnp.int32)
+
+
 @settings(max_examples=40)
 @given(
     kinds=st.lists(st.sampled_from(KINDS), min_size=1, max_size=3).map(tuple),
@@ -221,16 +228,7 @@ def _compiled(kinds):
 )
 def test_scan_of_random_edits_grad_matches_plain_autodiff(kinds, seed):
     rng = np.random.default_rng(seed)
-    idx = jnp.asarray(
-        np.stack(
-            [
-                rng.integers(0, SHAPE[0], (STEPS, len(kinds))),
-                rng.integers(0, SHAPE[1], (STEPS, len(kinds))),
-            ],
-            -1,
-        ),
-        jnp.int32,
-    )
+    idx = _random_indices(rng, len(kinds))
     vals = jnp.asarray(rng.normal(size=(STEPS, len(kinds))))
     x0 = jnp.asarray(rng.normal(size=SHAPE))
     p = jnp.float64(rng.normal())
@@ -244,16 +242,7 @@ def test_scan_of_random_edits_grad_matches_plain_autodiff(kinds, seed):
 @pytest.mark.parametrize("kinds", [("insert", "pop"), ("slice", "update", "delete")])
 def test_scan_of_edits_jvp_matches_plain_autodiff(kinds):
     rng = np.random.default_rng(0)
-    idx = jnp.asarray(
-        np.stack(
-            [
-                rng.integers(0, SHAPE[0], (STEPS, len(kinds))),
-                rng.integers(0, SHAPE[1], (STEPS, len(kinds))),
-            ],
-            -1,
-        ),
-        jnp.int32,
-    )
+    idx = _random_indices(rng, len(kinds))
     vals = jnp.asarray(rng.normal(size=(STEPS, len(kinds))))
     x0, t0 = jnp.asarray(rng.normal(size=SHAPE)), jnp.asarray(rng.normal(size=SHAPE))
     p = jnp.float64(0.3)
@@ -267,16 +256,7 @@ def test_scan_of_edits_jvp_matches_plain_autodiff(kinds):
 def test_scan_grad_matches_finite_differences():
     kinds = ("insert", "slice", "pop")
     rng = np.random.default_rng(1)
-    idx = jnp.asarray(
-        np.stack(
-            [
-                rng.integers(0, SHAPE[0], (STEPS, 3)),
-                rng.integers(0, SHAPE[1], (STEPS, 3)),
-            ],
-            -1,
-        ),
-        jnp.int32,
-    )
+    idx = _random_indices(rng, 3)
     vals = jnp.asarray(rng.normal(size=(STEPS, 3)))
     f = lambda x, p: _loss(kinds, True)(x, p, idx, vals)
     check_grads(
