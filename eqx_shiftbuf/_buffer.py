@@ -112,28 +112,42 @@ class ShiftBuffer(eqx.Module):
     # -- operations
 
     def dynamic_slice(
-        self, start_indices: Sequence[_ops.Index], slice_sizes: Sequence[int]
+        self,
+        start_indices: Sequence[_ops.Index],
+        slice_sizes: Sequence[int],
+        *,
+        mode: str | None = None,
     ) -> Array:
         """Read a window: `lax.dynamic_slice(self.array, start_indices, slice_sizes)`.
 
         See [`eqx_shiftbuf.dynamic_slice`][].
         """
-        return _ops.dynamic_slice(self, start_indices, slice_sizes)
+        return _ops.dynamic_slice(self, start_indices, slice_sizes, mode=mode)
 
     def dynamic_update_slice(
-        self, update: ArrayLike, start_indices: Sequence[_ops.Index]
+        self,
+        update: ArrayLike,
+        start_indices: Sequence[_ops.Index],
+        *,
+        mode: str | None = None,
     ) -> "ShiftBuffer":
         """Overwrite a window. See [`eqx_shiftbuf.dynamic_update_slice`][]."""
-        return _ops.dynamic_update_slice(self, update, start_indices)
+        return _ops.dynamic_update_slice(self, update, start_indices, mode=mode)
 
-    def insert(self, index: _ops.IndexTuple, value: ArrayLike) -> "ShiftBuffer":
+    def insert(
+        self, index: _ops.IndexTuple, value: ArrayLike, *, mode: str | None = None
+    ) -> "ShiftBuffer":
         """Insert `value` at `index`, shifting right. See [`eqx_shiftbuf.insert`][]."""
-        return _ops.insert(self, index, value)
+        return _ops.insert(self, index, value, mode=mode)
 
-    def delete(self, index: _ops.IndexTuple) -> "ShiftBuffer":
+    def delete(
+        self, index: _ops.IndexTuple, *, mode: str | None = None
+    ) -> "ShiftBuffer":
         """Remove the element at `index`, shifting left. See [`eqx_shiftbuf.delete`][]."""
-        return _ops.delete(self, index)
+        return _ops.delete(self, index, mode=mode)
 
-    def pop(self, index: _ops.IndexTuple) -> tuple["ShiftBuffer", Array]:
+    def pop(
+        self, index: _ops.IndexTuple, *, mode: str | None = None
+    ) -> tuple["ShiftBuffer", Array]:
         """Remove and return the element at `index`. See [`eqx_shiftbuf.pop`][]."""
-        return _ops.pop(self, index)
+        return _ops.pop(self, index, mode=mode)

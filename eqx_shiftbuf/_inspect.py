@@ -25,6 +25,7 @@ _CALLEE = re.compile(
 )
 _BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
 _BODY = re.compile(r"body=%?([\w.\-]+)")
+_FUSION = re.compile(r"\sfusion\(")
 _COPY = re.compile(r"^(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*?)\s+(copy|copy-start)\((.*)$")
 _ARRAY = re.compile(r"(\w+)\[([\d,]*)\]")
 _OP_NAME = re.compile(r'op_name="([^"]*)"')
@@ -166,7 +167,11 @@ def loop_copies_in_hlo(hlo: str, min_bytes: int = 1 << 16) -> list[LoopCopy]:
     bodies: list[str] = []
     for comp, lines in comps.items():
         for line in lines:
-            calls[comp].update(_CALLEE.findall(line))
+            # Not into fusions: a `copy` inside a fused computation is a layout change
+            # (a transpose) computed element by element as part of that fusion's
+            # output, not a copy of a buffer that XLA had to preserve.
+            if not _FUSION.search(line):
+                calls[comp].update(_CALLEE.findall(line))
             bodies.extend(_BODY.findall(line))
             for group in _BRANCHES.findall(line):
                 calls[comp].update(b.strip().lstrip("%") for b in group.split(","))
@@ -222,7 +227,12 @@ def loop_copies_in_hlo(hlo: str, min_bytes: int = 1 << 16) -> list[LoopCopy]:
                     for o in _OPERANDS.findall(m.group(4))
                     if o in instrs
                 ]
-                candidates = [c for c in candidates if c[0]]
+                # Last: `lax.scan`'s own stacking of per-step outputs, whose cached
+                # trace may even carry the source line of another program.
+                candidates = sorted(
+                    (c for c in candidates if c[0]),
+                    key=lambda c: "index_in_dim" in c[0],
+                )
                 # Prefer the write that needed the copy.
                 writes = [
                     c for c in candidates if "update_slice" in c[0] or "scatter" in c[0]

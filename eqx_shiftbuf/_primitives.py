@@ -11,17 +11,30 @@ they come in transpose pairs, so reverse mode never leaves the family:
 | `insert_p` | shift a line right from `col`, write the value   | `pop_p`     |
 | `pop_p`    | remove `line[col]`, shift left, fill the end     | `insert_p`  |
 
-**Why every access is a loop.** XLA updates a loop-carried buffer in place only when
+**Which accesses are loops.** XLA updates a loop-carried buffer in place only when
 every other reader of the old buffer is ordered before the write *by data
-dependence*; it duplicates cheap reads into their consumers and rewrites
-`DS(DUS(B))` into reads of the old `B`, so a read that comes first in the jaxpr can
-still end up unordered (DESIGN.md rules 2-5, `mixed7.py`). So every primitive lowers
-to its own `while` loop whose trip count is 1 at run time but not provable at compile
-time (a static trip count of 1 is simplified away, and the copies come back:
-`looptx.py`). A read's window is then one materialised loop output, and each read
-also returns a *token* (an int32 zero that XLA cannot prove is zero, computed from
-the window) that the caller feeds into the next access's trip count. That gives XLA
-a total order on the accesses that it keeps.
+dependence*; it duplicates cheap reads into their consumers, fuses a read with the
+write before it into a read of the older buffer, and hoists reads out of loops
+(DESIGN.md rules 2-5, `mixed7.py`). A `while` loop whose trip count is 1 at run time
+but not provable at compile time (a static trip count of 1 is simplified away:
+`looptx.py`) is a wall none of that crosses, but on XLA:CPU each one costs about as
+much as a small edit. So:
+
+- *Reads* (`read_p`, and the read half of `pop_p` and of `swap_p` when it returns
+  the old window) run in their own loop. The window is one materialised loop output,
+  and the read returns a *token* (an int32 zero that XLA cannot prove is zero,
+  computed from the window) that the next access adds to one of its indices, so
+  that access depends on the read.
+- *Writes* run straight-line, the same operations plain `lax` code would use, with
+  the pending token added to an index they really use (`_free_dim`).
+- A shift or accumulation whose storage comes straight from another straight-line
+  write in the tangent or cotangent program (`_tokens.written`) reads its line in a
+  loop first (`ordered=True`): XLA was seen to fuse that read with the write before
+  it into a read of the older buffer, unordered with respect to that write. The
+  primal program keeps the straight-line form, which is exactly plain `lax` code.
+
+Forward passes of write-only steps thus have no loop at all; a `grad` has one loop
+per value that leaves a write (a popped element, a window's cotangent).
 
 **Why reads return the storage.** `read_p` returns the storage it read from, and the
 caller uses that output afterwards. In the linearised program the storage tangent
@@ -76,6 +89,30 @@ def _loop(tok, size: int, body: Callable, state):
     return lax.fori_loop(jnp.int32(0), n, body, state)
 
 
+def _write(tok, size: int, body: Callable, state, idx: Sequence[jax.Array], at=-1):
+    """Run the write `body(j, state, idx)` for the `size` batch elements.
+
+    Unbatched (`size == 1`), the write runs straight-line, with `tok` added to
+    `idx[at]` so that it depends on the access that produced `tok`. `at` must be an
+    index that the write really uses (see `_free_dim`).
+    """
+    if size == 1:
+        idx = list(idx)
+        if at is not None:
+            idx[at] = idx[at] + tok.astype(idx[at].dtype)
+        return body(jnp.int32(0), state, idx)
+    return _loop(tok, size, lambda j, st: body(j, st, idx), state)
+
+
+def _free_dim(sizes: Sequence[int], shape: Sequence[int]) -> int | None:
+    """The first dimension that a window of `sizes` does not span, if any.
+
+    XLA drops the start index of a dimension that a window spans whole (it is always
+    clamped to 0), so a dependence carried by that index would be lost.
+    """
+    return next((d for d, n in enumerate(sizes) if n < shape[d]), None)
+
+
 def _element(arrays: Sequence[jax.Array], j) -> list[jax.Array]:
     """The `j`-th element (flattened batch order) of each index array."""
     # Unbatched (0-d) indices are used as they are: no per-iteration slicing.
@@ -104,9 +141,15 @@ def _put(x: jax.Array, j, v: jax.Array) -> jax.Array:
     return lax.dynamic_update_index_in_dim(x, v, j, 0)
 
 
-def _line_start(idx: Sequence[jax.Array], ndim: int) -> list:
-    """Start of the line `storage[i_0, ..., i_{axis-1}, :, ...]`."""
+def _line_start(idx: Sequence[jax.Array], ndim: int, tok=None) -> list:
+    """Start of the line `storage[i_0, ..., i_{axis-1}, :, ...]`.
+
+    `tok` (a run-time zero) is added to the shift-axis entry: that makes the write
+    depend on the access that produced it (see `_after`).
+    """
     zero = jnp.zeros((), idx[0].dtype) if idx else jnp.int32(0)
+    if tok is not None:
+        zero = zero + tok.astype(zero.dtype)
     return list(idx[:-1]) + [zero] * (ndim - len(idx) + 1)
 
 
@@ -124,9 +167,20 @@ def _line_sizes(shape: tuple[int, ...], axis: int) -> tuple[int, ...]:
 def _read_impl(storage, tok, *starts, sizes):
     bshape, size = _batch_size(starts)
 
+    free = _free_dim(sizes, storage.shape)
+
     def body(j, state):
         s, out = state
-        w = lax.dynamic_slice(s, _element(starts, j), sizes)
+        st = _element(starts, j)
+        if size == 1 and free is not None:
+            # Index with the loop counter (0 on the only trip) so that XLA cannot hoist
+            # the read out of the loop. Hoisted, it would fuse with a preceding
+            # straight-line write into a read of the *old* storage, unordered with
+            # respect to that write, and the write would copy. The counter goes on a
+            # dimension the window does not span (`_free_dim`).
+            st = list(st)
+            st[free] = st[free] + j.astype(st[free].dtype)
+        w = lax.dynamic_slice(s, st, sizes)
         return s, _put(out, j, w)
 
     out = jnp.zeros((size,) + tuple(sizes), storage.dtype)
@@ -144,40 +198,49 @@ def _read_abstract(storage, tok, *starts, sizes):
     )
 
 
-def _accum_impl(storage, tok, window, *starts):
+def _accum_impl(storage, tok, window, *starts, ordered):
     bshape, size = _batch_size(starts)
     window = _flat(window, bshape)
+    olds = None
+    if ordered:  # as in `_shift`: read the old windows in a loop first
+        storage, olds, tok = _read_impl(storage, tok, *starts, sizes=window.shape[1:])
+        olds = _flat(olds, bshape)
 
-    def body(j, s):
+    def body(j, s, starts):
         st = _element(starts, j)
         w = _take(window, j)
-        old = lax.dynamic_slice(s, st, w.shape)
+        old = lax.dynamic_slice(s, st, w.shape) if olds is None else _take(olds, j)
         return lax.dynamic_update_slice(s, old + w, st)
 
-    return (_loop(tok, size, body, storage),)
+    at = _free_dim(window.shape[1:], storage.shape)
+    return (_write(tok, size, body, storage, starts, at),)
 
 
-def _accum_abstract(storage, tok, window, *starts):
+def _accum_abstract(storage, tok, window, *starts, ordered):
     return (storage,)
 
 
-def _swap_impl(storage, tok, update, *starts):
+def _swap_impl(storage, tok, update, *starts, read):
     bshape, size = _batch_size(starts)
     update = _flat(update, bshape)
-    # Read the old windows in one loop, then write in a second loop whose trip count
-    # depends on what the first one read: the reads are then ordered before the
-    # writes by data dependence. Reading and writing in one loop body leaves the read
-    # unordered and XLA copies the buffer (the pop case of `mixed.py`).
-    storage, old, tok = _read_impl(storage, tok, *starts, sizes=update.shape[1:])
+    if read:
+        # Read the old windows in a loop, then write, with the write depending on
+        # the read's token: the read is then ordered before the write by data
+        # dependence. Reading and writing in one loop body leaves the read unordered
+        # and XLA copies the buffer (the pop case of `mixed.py`).
+        storage, old, tok = _read_impl(storage, tok, *starts, sizes=update.shape[1:])
+    else:  # a plain dynamic_update_slice: the old windows are not wanted
+        old = jnp.zeros(bshape + update.shape[1:], update.dtype)
 
-    def body(j, s):
+    def body(j, s, starts):
         return lax.dynamic_update_slice(s, _take(update, j), _element(starts, j))
 
-    storage = _loop(tok, size, body, storage)
-    return storage, old
+    at = _free_dim(update.shape[1:], storage.shape)
+    storage = _write(tok, size, body, storage, starts, at)
+    return storage, old.reshape(bshape + update.shape[1:])
 
 
-def _swap_abstract(storage, tok, update, *starts):
+def _swap_abstract(storage, tok, update, *starts, read):
     return storage, ShapedArray(update.shape, update.dtype)
 
 
@@ -190,66 +253,100 @@ def _swap_abstract(storage, tok, update, *starts):
 # (a single window read feeding a single window write: DESIGN.md rule 3).
 
 
-def _positions(sizes, axis, dtype):
-    return lax.broadcasted_iota(dtype, sizes, axis)
+def _read_line(s, idx, axis):
+    """`(start, line)`: the line `s[idx[:-1]]` with its leading unit axes dropped.
 
-
-def _insert_line(s, idx, v, axis):
-    sizes = _line_sizes(s.shape, axis)
+    The shifts work on the line as an array whose axis 0 is the shift axis: rolled
+    along a leading axis, XLA fuses `roll` into the `where` that consumes it; along
+    a later axis of the `(1, ..., 1, n, ...)` window it materialises the roll as
+    slices and a concatenate (two extra kernels per shift on XLA:CPU).
+    """
     start = _line_start(idx, s.ndim)
-    line = lax.dynamic_slice(s, start, sizes)
-    pos = _positions(sizes, axis, idx[-1].dtype)
-    col = idx[-1]
-    v = v.reshape((1,) * (axis + 1) + v.shape)
-    new = jnp.where(pos < col, line, jnp.where(pos == col, v, jnp.roll(line, 1, axis)))
-    return lax.dynamic_update_slice(s, new.astype(s.dtype), start)
+    line = lax.dynamic_slice(s, start, _line_sizes(s.shape, axis))
+    return start, line.reshape(s.shape[axis:])
 
 
-def _delete_line(s, idx, axis, fill):
-    sizes = _line_sizes(s.shape, axis)
-    start = _line_start(idx, s.ndim)
-    line = lax.dynamic_slice(s, start, sizes)
-    pos = _positions(sizes, axis, idx[-1].dtype)
-    col = idx[-1]
-    fillv = jnp.asarray(fill, s.dtype)
-    new = jnp.where(
-        pos < col,
-        line,
-        jnp.where(pos == s.shape[axis] - 1, fillv, jnp.roll(line, -1, axis)),
-    )
+def _write_line(s, start, new, axis):
+    new = new.astype(s.dtype).reshape(_line_sizes(s.shape, axis))
     return lax.dynamic_update_slice(s, new, start)
 
 
-def _insert_impl(storage, tok, value, *idx, axis):
+def _shift_right(line, col, v):
+    """`line` with `v` inserted at `col` (axis 0), its last element dropped."""
+    pos = lax.broadcasted_iota(col.dtype, line.shape, 0)
+    return jnp.where(pos < col, line, jnp.where(pos == col, v, jnp.roll(line, 1, 0)))
+
+
+def _shift_left(line, col, fill):
+    """`line` with the element at `col` (axis 0) removed, `fill` added at the end."""
+    pos = lax.broadcasted_iota(col.dtype, line.shape, 0)
+    fillv = jnp.asarray(fill, line.dtype)
+    last = line.shape[0] - 1
+    return jnp.where(
+        pos < col, line, jnp.where(pos == last, fillv, jnp.roll(line, -1, 0))
+    )
+
+
+def _shift(storage, tok, idx, axis, new_line, ordered):
+    """Replace each indexed line `l` by `new_line(j, l, col)`; `j` is the batch element.
+
+    Returns `(storage, lines)`, with the lines as read when `ordered`, else `None`.
+
+    `ordered=False`: each line is read, shifted and written back straight-line, the
+    same operations as plain `lax` code. `ordered=True`: the lines are first read in
+    their own loop, then shifted and written back straight-line. Needed when
+    `storage` comes straight from another straight-line write: XLA may otherwise
+    fuse this line read with that write into a read of the *older* storage, which
+    is then unordered with respect to that write, and the write copies the buffer.
+    A read inside a loop cannot fuse with anything outside it.
+    """
     bshape, size = _batch_size(idx)
+    lines = None
+    if ordered:
+        starts = list(idx[:-1]) + [jnp.zeros_like(idx[-1])] * (storage.ndim - axis)
+        sizes = _line_sizes(storage.shape, axis)
+        storage, lines, tok = _read_impl(storage, tok, *starts, sizes=sizes)
+        lines = lines.reshape((size,) + storage.shape[axis:])
+
+    def body(j, s, idx):
+        ix = _element(idx, j)
+        if lines is None:
+            start, line = _read_line(s, ix, axis)
+        else:
+            start, line = _line_start(ix, s.ndim), _take(lines, j)
+        return _write_line(s, start, new_line(j, line, ix[-1]), axis)
+
+    return _write(tok, size, body, storage, idx), lines
+
+
+def _insert_impl(storage, tok, value, *idx, axis, ordered):
+    bshape, _ = _batch_size(idx)
     value = _flat(value, bshape)
-
-    def body(j, s):
-        return _insert_line(s, _element(idx, j), _take(value, j), axis)
-
-    return (_loop(tok, size, body, storage),)
+    new_line = lambda j, line, col: _shift_right(line, col, _take(value, j))
+    return (_shift(storage, tok, idx, axis, new_line, ordered)[0],)
 
 
-def _insert_abstract(storage, tok, value, *idx, axis):
+def _insert_abstract(storage, tok, value, *idx, axis, ordered):
     return (storage,)
 
 
-def _pop_impl(storage, tok, *idx, axis, fill):
+def _pop_impl(storage, tok, *idx, axis, fill, read, ordered):
     bshape, size = _batch_size(idx)
-    # As in `_swap_impl`: read the removed elements first, in their own loop.
-    starts = list(idx) + [jnp.zeros_like(idx[0])] * (storage.ndim - len(idx))
-    sizes = (1,) * (axis + 1) + storage.shape[axis + 1 :]
-    storage, removed, tok = _read_impl(storage, tok, *starts, sizes=sizes)
-    removed = removed.reshape(bshape + storage.shape[axis + 1 :])
+    new_line = lambda j, line, col: _shift_left(line, col, fill)
+    if not read:  # a delete: the removed elements are not wanted
+        storage, _ = _shift(storage, tok, idx, axis, new_line, ordered)
+        return storage, jnp.zeros(bshape + storage.shape[axis + 1 :], storage.dtype)
+    # The removed elements must be read before the write (DESIGN.md rule 2), and
+    # read from materialised lines: an ordered shift.
+    storage, lines = _shift(storage, tok, idx, axis, new_line, True)
+    cols = jnp.broadcast_to(idx[-1], bshape).reshape(size)
+    removed = jax.vmap(lambda line, c: lax.dynamic_index_in_dim(line, c, 0, False))(
+        lines, cols
+    )
+    return storage, removed.reshape(bshape + storage.shape[axis + 1 :])
 
-    def body(j, s):
-        return _delete_line(s, _element(idx, j), axis, fill)
 
-    storage = _loop(tok, size, body, storage)
-    return storage, removed
-
-
-def _pop_abstract(storage, tok, *idx, axis, fill):
+def _pop_abstract(storage, tok, *idx, axis, fill, read, ordered):
     bshape = tuple(idx[0].shape)
     vshape = storage.shape[axis + 1 :]
     return storage, ShapedArray(bshape + vshape, storage.dtype)
@@ -301,26 +398,44 @@ def bind_read(storage, tok, starts, sizes):
     return storage, window, tok2
 
 
-def bind_accum(storage, tok, window, starts):
+def bind_accum(storage, tok, window, starts, ordered=False):
+    ordered = _needs_order(storage, ordered, False)
     storage, tok = _tokens.resolve(storage, tok)
-    (storage,) = accum_p.bind(storage, tok, window, *starts)
+    (storage,) = accum_p.bind(storage, tok, window, *starts, ordered=ordered)
+    _tokens.mark_written(storage)
     return storage
 
 
-def bind_swap(storage, tok, update, starts):
+def bind_swap(storage, tok, update, starts, read=True):
     storage, tok = _tokens.resolve(storage, tok)
-    return swap_p.bind(storage, tok, update, *starts)
+    out = swap_p.bind(storage, tok, update, *starts, read=read)
+    _tokens.mark_written(out[0])
+    return out
 
 
-def bind_insert(storage, tok, value, idx, axis):
+def _needs_order(storage, ordered: bool, primal: bool) -> bool:
+    # See the module docstring, "Which accesses are loops": primal programs keep the
+    # straight-line form of plain `lax` code; tangent and cotangent programs order a
+    # shift that follows a straight-line write.
+    return ordered or (not primal and _tokens.written(storage))
+
+
+def bind_insert(storage, tok, value, idx, axis, ordered=False, primal=False):
+    ordered = _needs_order(storage, ordered, primal)
     storage, tok = _tokens.resolve(storage, tok)
-    (storage,) = insert_p.bind(storage, tok, value, *idx, axis=axis)
+    (storage,) = insert_p.bind(storage, tok, value, *idx, axis=axis, ordered=ordered)
+    _tokens.mark_written(storage)
     return storage
 
 
-def bind_pop(storage, tok, idx, axis, fill):
+def bind_pop(storage, tok, idx, axis, fill, read=True, ordered=False, primal=False):
+    ordered = _needs_order(storage, ordered, primal)
     storage, tok = _tokens.resolve(storage, tok)
-    return pop_p.bind(storage, tok, *idx, axis=axis, fill=fill)
+    out = pop_p.bind(
+        storage, tok, *idx, axis=axis, fill=fill, read=read, ordered=ordered
+    )
+    _tokens.mark_written(out[0])
+    return out
 
 
 # ---------------------------------------------------------------------------
@@ -357,40 +472,45 @@ def _read_jvp(primals, tangents, *, sizes):
     return out, t_out + [_zero_tangent(out[2])]
 
 
-def _accum_jvp(primals, tangents):
+def _accum_jvp(primals, tangents, *, ordered):
     storage, tok, window, *starts = primals
-    out = accum_p.bind(storage, tok, window, *starts)
+    out = accum_p.bind(storage, tok, window, *starts, ordered=ordered)
     ts, tw = tangents[0], tangents[2]
     if _all_zero(ts, tw):
         return out, [_zero_tangent(out[0])]
-    return out, [bind_accum(_inst(ts, storage), tok, _inst(tw, window), starts)]
+    t_out = bind_accum(_inst(ts, storage), tok, _inst(tw, window), starts, ordered)
+    return out, [t_out]
 
 
-def _swap_jvp(primals, tangents):
+def _swap_jvp(primals, tangents, *, read):
     storage, tok, update, *starts = primals
-    out = swap_p.bind(storage, tok, update, *starts)
+    out = swap_p.bind(storage, tok, update, *starts, read=read)
     ts, tu = tangents[0], tangents[2]
     if _all_zero(ts, tu):
         return out, [_zero_tangent(o) for o in out]
-    return out, list(bind_swap(_inst(ts, storage), tok, _inst(tu, update), starts))
+    ts, tu = _inst(ts, storage), _inst(tu, update)
+    return out, list(bind_swap(ts, tok, tu, starts, read))
 
 
-def _insert_jvp(primals, tangents, *, axis):
+def _insert_jvp(primals, tangents, *, axis, ordered):
     storage, tok, value, *idx = primals
-    out = insert_p.bind(storage, tok, value, *idx, axis=axis)
+    out = insert_p.bind(storage, tok, value, *idx, axis=axis, ordered=ordered)
     ts, tv = tangents[0], tangents[2]
     if _all_zero(ts, tv):
         return out, [_zero_tangent(out[0])]
-    return out, [bind_insert(_inst(ts, storage), tok, _inst(tv, value), idx, axis)]
+    t_out = bind_insert(_inst(ts, storage), tok, _inst(tv, value), idx, axis, ordered)
+    return out, [t_out]
 
 
-def _pop_jvp(primals, tangents, *, axis, fill):
+def _pop_jvp(primals, tangents, *, axis, fill, read, ordered):
     storage, tok, *idx = primals
-    out = pop_p.bind(storage, tok, *idx, axis=axis, fill=fill)
+    out = pop_p.bind(
+        storage, tok, *idx, axis=axis, fill=fill, read=read, ordered=ordered
+    )
     ts = tangents[0]
     if type(ts) is ad.Zero:
         return out, [_zero_tangent(o) for o in out]
-    return out, list(bind_pop(ts, tok, idx, axis, 0))
+    return out, list(bind_pop(ts, tok, idx, axis, 0, read, ordered))
 
 
 ad.primitive_jvps[read_p] = _read_jvp
@@ -426,7 +546,7 @@ def _read_transpose(cts, storage, tok, *starts, sizes):
     return [ct_s, None] + [None] * len(starts)
 
 
-def _accum_transpose(cts, storage, tok, window, *starts):
+def _accum_transpose(cts, storage, tok, window, *starts, ordered):
     (ct_s,) = cts
     if type(ct_s) is ad.Zero:
         return [ct_s, None, ad.Zero(_aval(window))] + [None] * len(starts)
@@ -437,19 +557,23 @@ def _accum_transpose(cts, storage, tok, window, *starts):
     return [ct_st, None, ct_wt] + [None] * len(starts)
 
 
-def _swap_transpose(cts, storage, tok, update, *starts):
+def _swap_transpose(cts, storage, tok, update, *starts, read):
     ct_s, ct_old = cts
     if _all_zero(ct_s, ct_old):
         return [ad.Zero(_aval(storage)), None, ad.Zero(_aval(update))] + [None] * len(
             starts
         )
     ct_s = _ct_or_zeros(ct_s, _aval(storage))
-    ct_old = _ct_or_zeros(ct_old, _aval(update))
-    ct_s, ct_u = bind_swap(ct_s, tok, ct_old, starts)
+    # Without `read`, the old window was discarded: its cotangent is zero, and the
+    # transpose writes zeros where the update went (and reads out its cotangent).
+    ct_old = (
+        _ct_or_zeros(ct_old, _aval(update)) if read else _zeros_like_aval(_aval(update))
+    )
+    ct_s, ct_u = bind_swap(ct_s, tok, ct_old, starts, read=True)
     return [ct_s, None, ct_u] + [None] * len(starts)
 
 
-def _insert_transpose(cts, storage, tok, value, *idx, axis):
+def _insert_transpose(cts, storage, tok, value, *idx, axis, ordered):
     (ct_s,) = cts
     if type(ct_s) is ad.Zero:
         return [ct_s, None, ad.Zero(_aval(value))] + [None] * len(idx)
@@ -457,14 +581,17 @@ def _insert_transpose(cts, storage, tok, value, *idx, axis):
     return [ct_s, None, ct_v] + [None] * len(idx)
 
 
-def _pop_transpose(cts, storage, tok, *idx, axis, fill):
+def _pop_transpose(cts, storage, tok, *idx, axis, fill, read, ordered):
     ct_s, ct_v = cts
     if _all_zero(ct_s, ct_v):
         return [ad.Zero(_aval(storage)), None] + [None] * len(idx)
     s_aval = _aval(storage)
     ct_s = _ct_or_zeros(ct_s, s_aval)
     vshape = tuple(idx[0].shape) + s_aval.shape[axis + 1 :]
-    ct_v = _ct_or_zeros(ct_v, ShapedArray(vshape, s_aval.dtype))
+    if read:
+        ct_v = _ct_or_zeros(ct_v, ShapedArray(vshape, s_aval.dtype))
+    else:  # a delete: its `removed` output is a constant, with no cotangent
+        ct_v = jnp.zeros(vshape, s_aval.dtype)
     return [bind_insert(ct_s, tok, ct_v, idx, axis), None] + [None] * len(idx)
 
 
@@ -529,29 +656,30 @@ def _read_batch(args, dims, *, sizes):
     return (s, w, t), (0 if sb else None, 0, None)
 
 
-def _accum_batch(args, dims):
+def _accum_batch(args, dims, *, ordered):
     storage, tok, (window,), idx, _ = _batch_common(args, dims, 1, write=True)
     nb = len(idx[0].shape)
     window = window.reshape(window.shape[:nb] + (1,) + window.shape[nb:])
-    return (bind_accum(storage, tok, window, idx),), (0,)
+    return (bind_accum(storage, tok, window, idx, ordered),), (0,)
 
 
-def _swap_batch(args, dims):
+def _swap_batch(args, dims, *, read):
     storage, tok, (update,), idx, _ = _batch_common(args, dims, 1, write=True)
     nb = len(idx[0].shape)
     update = update.reshape(update.shape[:nb] + (1,) + update.shape[nb:])
-    s, old = bind_swap(storage, tok, update, idx)
+    s, old = bind_swap(storage, tok, update, idx, read)
     return (s, old.reshape(old.shape[:nb] + old.shape[nb + 1 :])), (0, 0)
 
 
-def _insert_batch(args, dims, *, axis):
+def _insert_batch(args, dims, *, axis, ordered):
     storage, tok, (value,), idx, _ = _batch_common(args, dims, 1, write=True)
-    return (bind_insert(storage, tok, value, idx, axis + 1),), (0,)
+    return (bind_insert(storage, tok, value, idx, axis + 1, ordered),), (0,)
 
 
-def _pop_batch(args, dims, *, axis, fill):
+def _pop_batch(args, dims, *, axis, fill, read, ordered):
     storage, tok, _, idx, _ = _batch_common(args, dims, 0, write=True)
-    return tuple(bind_pop(storage, tok, idx, axis + 1, fill)), (0, 0)
+    out = bind_pop(storage, tok, idx, axis + 1, fill, read, ordered)
+    return tuple(out), (0, 0)
 
 
 batching.primitive_batchers[read_p] = _read_batch

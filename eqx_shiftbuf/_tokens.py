@@ -43,3 +43,23 @@ def same_trace(a: Any, b: Any) -> bool:
     """Whether `a` and `b` are tracers of one and the same trace."""
     ta = getattr(a, "_trace", None)
     return ta is not None and ta is getattr(b, "_trace", None)
+
+
+# Storage values that are the output of a straight-line write (see
+# `_primitives._shift`): the next shift of such a value reads its line in a loop.
+_written: dict[int, weakref.ReferenceType] = {}
+
+
+def mark_written(storage: Any) -> None:
+    """Say that `storage` is the output of a straight-line write."""
+    try:
+        ref = weakref.ref(storage, lambda _, k=id(storage), d=_written: d.pop(k, None))
+    except TypeError:
+        return
+    _written[id(storage)] = ref
+
+
+def written(storage: Any) -> bool:
+    """Whether `storage` is the output of a straight-line write of this process."""
+    ref = _written.get(id(storage))
+    return ref is not None and ref() is storage

@@ -586,3 +586,43 @@ def test_a_jitted_read_of_a_closed_over_array_does_not_poison_later_calls():
     x = jnp.arange(4.0)
     jax.jit(lambda i: esb.dynamic_slice(x, (i,), (1,)))(0)
     np.testing.assert_array_equal(esb.insert(x, 0, 9.0), [9.0, 0.0, 1.0, 2.0])
+
+
+# `mode`
+
+
+@pytest.mark.parametrize("op", ["insert", "delete", "pop", "slice", "update"])
+def test_unknown_mode_is_an_error(op):
+    buf = esb.ShiftBuffer.zeros((2, 4), jnp.float32)
+    calls = {
+        "insert": lambda: buf.insert((0, 1), 1.0, mode="clip"),
+        "delete": lambda: buf.delete((0, 1), mode="clip"),
+        "pop": lambda: buf.pop((0, 1), mode="clip"),
+        "slice": lambda: buf.dynamic_slice((0, 1), (1, 2), mode="clip"),
+        "update": lambda: buf.dynamic_update_slice(
+            jnp.ones((1, 2)), (0, 1), mode="clip"
+        ),
+    }
+    with pytest.raises(
+        ValueError,
+        match=re.escape("`mode` must be None or 'promise_in_bounds'; got 'clip'."),
+    ):
+        calls[op]()
+
+
+def test_promise_in_bounds_still_checks_python_ints():
+    buf = esb.ShiftBuffer.zeros((2, 4), jnp.float32)
+    with pytest.raises(IndexError, match=re.escape("`index`[1]=4 is out of range")):
+        buf.insert((0, 4), 1.0, mode="promise_in_bounds")
+
+
+def test_promise_in_bounds_has_no_run_time_check():
+    # The check is the only conditional in this program; promising removes it.
+    def f(mode):
+        return lambda b, i: esb.insert(b, (i, i), 1.0, mode=mode)
+
+    b, i = jnp.zeros((2, 4)), jnp.int32(1)
+    checked = jax.jit(f(None)).lower(b, i).as_text()
+    promised = jax.jit(f("promise_in_bounds")).lower(b, i).as_text()
+    assert "callback" in checked
+    assert "callback" not in promised

@@ -1,0 +1,343 @@
+"""Every corpus body: forward and gradient time, compile time, and growth with rows.
+
+    python benchmarks/corpus.py [--steps 1000] [--rows 100] [--repeat 5]
+                                [--bodies insert,pop] [--plot benchmarks/grad_vs_rows.png]
+
+For each body of `eqx_shiftbuf.corpus`, a `steps`-step `lax.scan` is timed in one run
+for these versions:
+
+- `plain lax`: the body written with plain `lax` ops on an array carry;
+- `eqx_shiftbuf`: a `ShiftBuffer` carry (traced indices checked at run time);
+- `eqx_shiftbuf (promise_in_bounds)`: the same without the run-time index check;
+- `custom_vjp` (the single insert only): a hand-written `custom_vjp`, plain `lax`
+  forward, backward that stashes the value's cotangent in a padding column and reads
+  it after the row write ("stash then read last");
+- `equinox.internal.scan` (the bodies that can be written for it: write-once
+  windows, `dynamic_update_slice` and the cache): `kind="checkpointed"`,
+  `checkpoints="all"`, the buffer declared with `buffers=`. Its gradients are
+  checked against plain autodiff and printed as wrong where they differ (its
+  buffers are write-once; these bodies overwrite).
+
+The buffer has `rows`, `4 rows` and `16 rows` rows; the edits touch the first `rows`
+only, so the work per step is the same and a time that grows with the buffer means a
+per-iteration copy (the cache body attends over the whole cache, so its work grows).
+
+Printed per body and version: forward ms, gradient ms, their ratio, compile seconds
+(forward + gradient), gradient time at 16x rows over 1x, per-iteration copies in the
+compiled gradient, and whether value and gradient match plain autodiff. Then the
+acceptance checks of issue 3 for `eqx_shiftbuf`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+import timeit
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import eqx_shiftbuf as esb  # noqa: E402
+from eqx_shiftbuf._inspect import loop_copies_in_hlo  # noqa: E402
+from eqx_shiftbuf import corpus  # noqa: E402
+
+
+MULTIPLIERS = (1, 4, 16)
+COLS = {"stack_push_pop": 64, "kv_cache_attention": 64}  # default: --cols
+
+
+# ---------------------------------------------------------------------------
+# Hand-written custom_vjp for the single insert, on a buffer with 1 padding column.
+
+
+def _insert_row(buf, r, c, v, n):
+    pos = jnp.arange(buf.shape[1])
+    row = lax.dynamic_slice(buf, (r, jnp.zeros_like(r)), (1, buf.shape[1]))[0]
+    new = jnp.where(pos < c, row, jnp.where(pos == c, v, jnp.roll(row, 1)))
+    new = jnp.where(pos < n, new, row)  # the padding column is left alone
+    return lax.dynamic_update_slice(buf, new[None], (r, jnp.zeros_like(r)))
+
+
+@jax.custom_vjp
+def _cv_insert(buf, v, r, c):
+    return _insert_row(buf, r, c, v, buf.shape[1] - 1)
+
+
+def _cv_insert_fwd(buf, v, r, c):
+    return _cv_insert(buf, v, r, c), (r, c)
+
+
+def _cv_insert_bwd(res, ct):
+    r, c = res
+    n = ct.shape[1] - 1
+    pos = jnp.arange(n + 1)
+    zero = jnp.zeros_like(r)
+    row = lax.dynamic_slice(ct, (r, zero), (1, n + 1))[0]
+    stash = lax.dynamic_index_in_dim(row, c, keepdims=False)
+    # Shift left from c, 0 at n-1, and the value's cotangent stashed at n (padding).
+    tail = jnp.where(pos < n - 1, jnp.roll(row, -1), jnp.where(pos == n - 1, 0, stash))
+    row = jnp.where(pos < c, row, tail)
+    ct = lax.dynamic_update_slice(ct, row[None], (r, zero))
+    f0 = lambda i: np.zeros(np.shape(i), jax.dtypes.float0)
+    return ct, ct[r, n], f0(r), f0(c)  # read the stash after the write
+
+
+_cv_insert.defvjp(_cv_insert_fwd, _cv_insert_bwd)
+
+
+def custom_vjp_insert_loss(active_rows):
+    def loss(params, init, xs):
+        def step(b, x):
+            v = jnp.sin(params["s"] * x["v"])
+            return _cv_insert(b, v, x["r"][0], x["c"][0]), None
+
+        buf = jnp.pad(init, ((0, 0), (0, 1)))
+        buf, _ = lax.scan(step, buf, xs)
+        final = buf[:active_rows, :-1]
+        return ((final - 0.5) ** 2).mean()
+
+    return loss
+
+
+# ---------------------------------------------------------------------------
+# equinox.internal.scan versions of the write-once-shaped bodies.
+
+
+def eqxi_loss(name, active_rows):
+    import equinox.internal as eqxi
+
+    def loss(params, init, xs):
+        def step(carry, x):
+            buf, acc = carry
+            p = params
+            if name == "dynamic_update_slice":
+                k = corpus.K
+                cols = buf.shape[1]
+                upd = jnp.tanh(p["s"] * x["v"] + jnp.arange(k, dtype=jnp.float32))
+                c0 = x["c"][0] % (cols - k + 1)
+                buf = esb.dynamic_update_slice(buf, upd[None], (x["r"][0], c0))
+                return (buf, acc), None
+            length, d = buf.shape
+            pos = x["t"] % length
+            ar = jnp.arange(d, dtype=jnp.float32)
+            entry = jnp.tanh(p["s"] * x["v"] + ar)[None]
+            buf = esb.dynamic_update_slice(buf, entry, (pos, jnp.zeros_like(pos)))
+            cache = buf[...]
+            q = jnp.cos(p["s"] * x["v"] - ar)
+            w = jax.nn.softmax(cache @ q / np.sqrt(d))
+            return (buf, acc + (w @ cache).sum()), None
+
+        (buf, acc), _ = eqxi.scan(
+            step,
+            (init, jnp.zeros((), init.dtype)),
+            xs,
+            kind="checkpointed",
+            checkpoints="all",
+            buffers=lambda c: c[0],
+        )
+        final = buf[:active_rows]
+        return ((final - 0.5) ** 2).mean() + acc
+
+    return loss
+
+
+EQXI_BODIES = ("dynamic_update_slice", "kv_cache_attention")
+
+
+# ---------------------------------------------------------------------------
+
+
+def versions(name, active_rows):
+    body = corpus.BODIES_BY_NAME[name]
+    out = {
+        "plain lax": corpus.make_loss(body, corpus.PLAIN, active_rows=active_rows),
+        "eqx_shiftbuf": corpus.make_loss(body, corpus.ESB, active_rows=active_rows),
+        "eqx_shiftbuf (promise_in_bounds)": corpus.make_loss(
+            body, corpus.ESB_PROMISE, active_rows=active_rows
+        ),
+    }
+    if name == "insert":
+        out["custom_vjp"] = custom_vjp_insert_loss(active_rows)
+    if name in EQXI_BODIES:
+        out["equinox.internal.scan"] = eqxi_loss(name, active_rows)
+    return out
+
+
+def _time(f, args, repeat):
+    """Best of `repeat` timings, in ms; each runs `f` enough times to take ~0.1 s."""
+    t0 = time.perf_counter()
+    jax.block_until_ready(f(*args))
+    once = time.perf_counter() - t0
+    number = max(1, int(0.1 / max(once, 1e-6)))
+    times = timeit.repeat(
+        lambda: jax.block_until_ready(f(*args)), number=number, repeat=repeat
+    )
+    return min(times) / number * 1e3
+
+
+def measure(loss, args, repeat):
+    fwd, grad = jax.jit(loss), jax.jit(jax.grad(loss))
+    t0 = time.perf_counter()
+    fwd_c = fwd.lower(*args).compile()
+    grad_c = grad.lower(*args).compile()
+    compile_s = time.perf_counter() - t0
+    value, g = fwd_c(*args), grad_c(*args)
+    return {
+        "fwd_ms": _time(fwd_c, args, repeat),
+        "grad_ms": _time(grad_c, args, repeat),
+        "compile_s": compile_s,
+        "copies": len(loop_copies_in_hlo(grad_c.as_text(), _min_bytes(args[1]))),
+        "value": np.asarray(value),
+        "grad": jax.tree.map(np.asarray, g),
+    }
+
+
+def _min_bytes(init):
+    return init.size * init.dtype.itemsize // 2
+
+
+def _agree(m, ref):
+    ok = np.allclose(m["value"], ref["value"], rtol=1e-4, atol=1e-6)
+    for a, b in zip(jax.tree.leaves(m["grad"]), jax.tree.leaves(ref["grad"])):
+        ok = ok and np.allclose(a, b, rtol=1e-3, atol=1e-5)
+    return bool(ok)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=1000)
+    parser.add_argument("--rows", type=int, default=100)
+    parser.add_argument("--cols", type=int, default=500)
+    parser.add_argument("--repeat", type=int, default=5)
+    parser.add_argument("--bodies", default=",".join(b.name for b in corpus.BODIES))
+    parser.add_argument("--plot", default=None, help="write a PNG plot here")
+    opts = parser.parse_args()
+
+    print(
+        f"{opts.steps}-step scans; rows {opts.rows} x {MULTIPLIERS}; "
+        f"{jax.devices()[0].device_kind} ({jax.devices()[0].platform}), "
+        f"jax {jax.__version__}, {__import__('os').cpu_count()} CPUs"
+    )
+    header = (
+        f"{'body':<20} {'version':<33} {'fwd ms':>8} {'grad ms':>8} {'g/f':>6} "
+        f"{'compile s':>9} {'growth':>7} {'copies':>6} {'matches':>7}"
+    )
+    print(header)
+    table = {}
+    for name in opts.bodies.split(","):
+        body = corpus.BODIES_BY_NAME[name]
+        cols = COLS.get(name, opts.cols)
+        vs = versions(name, opts.rows)
+        res = {}
+        for mult in MULTIPLIERS:
+            args = corpus.make_inputs(
+                body, opts.rows * mult, cols, opts.steps, active_rows=opts.rows
+            )
+            for vname, loss in vs.items():
+                res[vname, mult] = measure(loss, args, opts.repeat)
+        for vname in vs:
+            m, big = res[vname, 1], res[vname, MULTIPLIERS[-1]]
+            row = {
+                "fwd_ms": m["fwd_ms"],
+                "grad_ms": m["grad_ms"],
+                "ratio": m["grad_ms"] / m["fwd_ms"],
+                "compile_s": m["compile_s"],
+                "growth": big["grad_ms"] / m["grad_ms"],
+                "copies": m["copies"],
+                "matches": all(
+                    _agree(res[vname, k], res["plain lax", k]) for k in MULTIPLIERS
+                ),
+                "grad_by_rows": [res[vname, k]["grad_ms"] for k in MULTIPLIERS],
+            }
+            table[name, vname] = row
+            print(
+                f"{name:<20} {vname:<33} {row['fwd_ms']:8.3f} {row['grad_ms']:8.3f} "
+                f"{row['ratio']:6.2f} {row['compile_s']:9.2f} {row['growth']:7.2f} "
+                f"{row['copies']:6d} {'yes' if row['matches'] else 'NO':>7}",
+                flush=True,
+            )
+
+    print("\nacceptance (eqx_shiftbuf; forward and compile against plain lax):")
+    for name in opts.bodies.split(","):
+        e, pe, lx = (
+            table[name, "eqx_shiftbuf"],
+            table[name, "eqx_shiftbuf (promise_in_bounds)"],
+            table[name, "plain lax"],
+        )
+        checks = [
+            ("grad/fwd<=4", e["ratio"] <= 4, f"{e['ratio']:.2f}"),
+            ("growth<=1.3", e["growth"] <= 1.3, f"{e['growth']:.2f}"),
+            (
+                "fwd<=1.1x",
+                e["fwd_ms"] <= 1.1 * lx["fwd_ms"],
+                f"{e['fwd_ms'] / lx['fwd_ms']:.2f}",
+            ),
+            (
+                "fwd<=1.1x (promise)",
+                pe["fwd_ms"] <= 1.1 * lx["fwd_ms"],
+                f"{pe['fwd_ms'] / lx['fwd_ms']:.2f}",
+            ),
+            (
+                "compile<=2x",
+                e["compile_s"] <= 2 * lx["compile_s"],
+                f"{e['compile_s'] / lx['compile_s']:.2f}",
+            ),
+            ("copies=0", e["copies"] == 0, str(e["copies"])),
+            ("matches", e["matches"], ""),
+        ]
+        if name == "insert":
+            cv = table[name, "custom_vjp"]
+            for label, row in (("", e), (" (promise)", pe)):
+                r = row["grad_ms"] / cv["grad_ms"]
+                checks.append((f"grad<=1.2x custom_vjp{label}", r <= 1.2, f"{r:.2f}"))
+        print(
+            f"{name:<20} "
+            + "  ".join(
+                f"{'PASS' if ok else 'FAIL'} {lab} {val}" for lab, ok, val in checks
+            )
+        )
+
+    if opts.plot:
+        plot(table, opts, opts.plot)
+
+
+def plot(table, opts, path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = opts.bodies.split(",")
+    ncol = 4
+    nrow = -(-len(names) // ncol)
+    fig, axes = plt.subplots(nrow, ncol, figsize=(4 * ncol, 3.2 * nrow), squeeze=False)
+    rows = [opts.rows * k for k in MULTIPLIERS]
+    for ax, name in zip(axes.flat, names):
+        for vname, style in (("plain lax", "o-"), ("eqx_shiftbuf", "s-")):
+            ax.plot(rows, table[name, vname]["grad_by_rows"], style, label=vname)
+        ax.set_title(name, fontsize=10)
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        ax.set_xlabel("buffer rows")
+        ax.set_ylabel("grad ms")
+    for ax in list(axes.flat)[len(names) :]:
+        ax.axis("off")
+    axes.flat[0].legend(fontsize=8)
+    fig.suptitle(
+        f"Gradient time of a {opts.steps}-step scan against buffer rows "
+        f"(edits on the first {opts.rows} rows)"
+    )
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    print(f"\nwrote {path}")
+
+
+if __name__ == "__main__":
+    main()
