@@ -460,7 +460,7 @@ def insert(
     vshape = storage.shape[ax + 1 :]
     val = check_value(value, vshape, storage.dtype, "value", f"x.shape[{ax}+1:]")
     tok = _base_token(storage, idx + [val])
-    return _rebuild(x, P.bind_insert(storage, tok, val, idx, ax, primal=True))
+    return _rebuild(x, P.bind_insert(storage, tok, val, idx, ax))
 
 
 def pop(
@@ -529,7 +529,7 @@ def delete(
     fill = _check_fill(fill, storage.dtype)
     idx = check_index(index, storage.shape, ax, mode)
     tok = _base_token(storage, idx)
-    new_storage, _ = P.bind_pop(storage, tok, idx, ax, fill, read=False, primal=True)
+    new_storage, _ = P.bind_pop(storage, tok, idx, ax, fill, read=False)
     return _rebuild(x, new_storage)
 
 

@@ -28,13 +28,14 @@ much as a small edit. So:
 - *Writes* run straight-line, the same operations plain `lax` code would use, with
   the pending token added to an index they really use (`_free_dim`).
 - A shift or accumulation whose storage comes straight from another straight-line
-  write in the tangent or cotangent program (`_tokens.written`) reads its line in a
-  loop first (`ordered=True`): XLA was seen to fuse that read with the write before
-  it into a read of the older buffer, unordered with respect to that write. The
-  primal program keeps the straight-line form, which is exactly plain `lax` code.
+  write (`_tokens.written`) reads its line in a loop first (`ordered=True`): XLA was
+  seen to fuse that read with the write before it into a read of the older buffer,
+  unordered with respect to that write (three inserts in one step copied twice
+  without this, in the forward pass as in plain `lax`).
 
-Forward passes of write-only steps thus have no loop at all; a `grad` has one loop
-per value that leaves a write (a popped element, a window's cotangent).
+A step with one write thus has no loop in its forward pass; each further shift in
+the step, and each value that leaves a write (a popped element, a window's
+cotangent), costs one small loop.
 
 **Why reads return the storage.** `read_p` returns the storage it read from, and the
 caller uses that output afterwards. In the linearised program the storage tangent
@@ -399,7 +400,7 @@ def bind_read(storage, tok, starts, sizes):
 
 
 def bind_accum(storage, tok, window, starts, ordered=False):
-    ordered = _needs_order(storage, ordered, False)
+    ordered = _needs_order(storage, ordered)
     storage, tok = _tokens.resolve(storage, tok)
     (storage,) = accum_p.bind(storage, tok, window, *starts, ordered=ordered)
     _tokens.mark_written(storage)
@@ -413,23 +414,22 @@ def bind_swap(storage, tok, update, starts, read=True):
     return out
 
 
-def _needs_order(storage, ordered: bool, primal: bool) -> bool:
-    # See the module docstring, "Which accesses are loops": primal programs keep the
-    # straight-line form of plain `lax` code; tangent and cotangent programs order a
-    # shift that follows a straight-line write.
-    return ordered or (not primal and _tokens.written(storage))
+def _needs_order(storage, ordered: bool) -> bool:
+    # See the module docstring, "Which accesses are loops": a shift or accumulation
+    # that follows a straight-line write reads its line in a loop first.
+    return ordered or _tokens.written(storage)
 
 
-def bind_insert(storage, tok, value, idx, axis, ordered=False, primal=False):
-    ordered = _needs_order(storage, ordered, primal)
+def bind_insert(storage, tok, value, idx, axis, ordered=False):
+    ordered = _needs_order(storage, ordered)
     storage, tok = _tokens.resolve(storage, tok)
     (storage,) = insert_p.bind(storage, tok, value, *idx, axis=axis, ordered=ordered)
     _tokens.mark_written(storage)
     return storage
 
 
-def bind_pop(storage, tok, idx, axis, fill, read=True, ordered=False, primal=False):
-    ordered = _needs_order(storage, ordered, primal)
+def bind_pop(storage, tok, idx, axis, fill, read=True, ordered=False):
+    ordered = _needs_order(storage, ordered)
     storage, tok = _tokens.resolve(storage, tok)
     out = pop_p.bind(
         storage, tok, *idx, axis=axis, fill=fill, read=read, ordered=ordered
