@@ -193,7 +193,7 @@ def measure(loss, args, repeat):
         "fwd_ms": _time(fwd_c, args, repeat),
         "grad_ms": _time(grad_c, args, repeat),
         "compile_s": compile_s,
-        "copies": len(loop_copies_in_hlo(grad_c.as_text(), _min_bytes(args[1]))),
+        "copies": len(loop_copies_in_hlo(grad_c.as_text() or "", _min_bytes(args[1]))),
         "value": np.asarray(value),
         "grad": jax.tree.map(np.asarray, g),
     }
@@ -211,7 +211,7 @@ def _agree(m, ref):
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--steps", type=int, default=1000)
     parser.add_argument("--rows", type=int, default=100)
     parser.add_argument("--cols", type=int, default=500)
@@ -233,7 +233,7 @@ def main() -> None:
     table = {}
     for name in opts.bodies.split(","):
         body = corpus.BODIES_BY_NAME[name]
-        cols = COLS.get(name, opts.cols)
+        cols = COLS[name] if name in COLS else opts.cols
         vs = versions(name, opts.rows)
         res = {}
         for mult in MULTIPLIERS:

@@ -105,7 +105,7 @@ def check(name: str, ok: bool) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--base-rows", type=int, default=100)
     parser.add_argument("--multiplier", type=int, default=10, help="rows multiplier")
     parser.add_argument("--cols", type=int, default=demo.N_COLS)

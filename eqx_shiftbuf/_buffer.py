@@ -7,7 +7,6 @@ from typing import Any
 
 import equinox as eqx
 import jax.numpy as jnp
-from jax import lax
 from jaxtyping import Array, ArrayLike
 
 from . import _ops
@@ -24,18 +23,14 @@ class ShiftBuffer(eqx.Module):
     Create one with [`eqx_shiftbuf.ShiftBuffer.zeros`][] or
     [`eqx_shiftbuf.ShiftBuffer.from_array`][]; `.array` is its contents.
 
-    The storage layout is private. At present it is the logical array itself
-    (`PAD = 0` scratch slots per line). A layout with one scratch slot at the end of
-    each line, for a loop-free "stash, then read last" pop, was tried: it left
-    per-iteration copies in the transposed programs and around `.array`, so it is
-    off until that is understood (see `benchmarks/README.md`).
+    The storage layout is private. At present it is the logical array itself: each
+    edit reads and writes one window or one line, in its own run-time loop (see
+    `eqx_shiftbuf._primitives`), and needs no padding or scratch space.
     """
 
     _storage: Array
     axis: int = eqx.field(static=True)
     fill: bool | int | float = eqx.field(static=True, default=0)
-
-    PAD = 0  # scratch slots per line (class constant, not a field)
 
     @classmethod
     def _from_storage(cls, storage: Any, axis: int, fill: Any) -> "ShiftBuffer":
@@ -64,9 +59,7 @@ class ShiftBuffer(eqx.Module):
             raise ValueError("`array` must have at least one dimension; got a scalar.")
         ax = _ops.normalise_axis(axis, arr.ndim)
         fill = _ops._check_fill(fill, arr.dtype)
-        widths = [(0, 0)] * arr.ndim
-        widths[ax] = (0, cls.PAD)
-        return cls(jnp.pad(arr, widths), ax, fill)
+        return cls(arr, ax, fill)
 
     @classmethod
     def zeros(
@@ -97,13 +90,11 @@ class ShiftBuffer(eqx.Module):
     @property
     def array(self) -> Array:
         """The contents, an array of shape `self.shape`."""
-        return lax.slice_in_dim(self._storage, 0, self.capacity, axis=self.axis)
+        return self._storage
 
     @property
     def shape(self) -> tuple[int, ...]:
-        shape = list(self._storage.shape)
-        shape[self.axis] -= self.PAD
-        return tuple(shape)
+        return tuple(self._storage.shape)
 
     @property
     def dtype(self) -> Any:
@@ -116,7 +107,7 @@ class ShiftBuffer(eqx.Module):
     @property
     def capacity(self) -> int:
         """The length of a line along the shift axis."""
-        return self._storage.shape[self.axis] - self.PAD
+        return self._storage.shape[self.axis]
 
     # -- operations
 

@@ -90,7 +90,9 @@ def _loop(tok, size: int, body: Callable, state):
     return lax.fori_loop(jnp.int32(0), n, body, state)
 
 
-def _write(tok, size: int, body: Callable, state, idx: Sequence[jax.Array], at=-1):
+def _write(
+    tok, size: int, body: Callable, state, idx: Sequence[jax.Array], at: int | None = -1
+):
     """Run the write `body(j, state, idx)` for the `size` batch elements.
 
     Unbatched (`size == 1`), the write runs straight-line, with `tok` added to
@@ -278,15 +280,11 @@ def _shift_right(line, col, v):
     return jnp.where(pos < col, line, jnp.where(pos == col, v, jnp.roll(line, 1, 0)))
 
 
-def _shift_left(line, col, fill, pad=0):
-    """`line` with the element at `col` (axis 0) removed, `fill` added at the end.
-
-    The last `pad` positions are scratch slots (`ShiftBuffer.PAD`) and get
-    unspecified values.
-    """
+def _shift_left(line, col, fill):
+    """`line` with the element at `col` (axis 0) removed, `fill` added at the end."""
     pos = lax.broadcasted_iota(col.dtype, line.shape, 0)
     fillv = jnp.asarray(fill, line.dtype)
-    last = line.shape[0] - 1 - pad
+    last = line.shape[0] - 1
     return jnp.where(
         pos < col, line, jnp.where(pos == last, fillv, jnp.roll(line, -1, 0))
     )
@@ -324,20 +322,20 @@ def _shift(storage, tok, idx, axis, new_line, ordered):
     return _write(tok, size, body, storage, idx), lines
 
 
-def _insert_impl(storage, tok, value, *idx, axis, ordered, pad):
+def _insert_impl(storage, tok, value, *idx, axis, ordered):
     bshape, _ = _batch_size(idx)
     value = _flat(value, bshape)
     new_line = lambda j, line, col: _shift_right(line, col, _take(value, j))
     return (_shift(storage, tok, idx, axis, new_line, ordered)[0],)
 
 
-def _insert_abstract(storage, tok, value, *idx, axis, ordered, pad):
+def _insert_abstract(storage, tok, value, *idx, axis, ordered):
     return (storage,)
 
 
-def _pop_impl(storage, tok, *idx, axis, fill, read, ordered, pad):
+def _pop_impl(storage, tok, *idx, axis, fill, read, ordered):
     bshape, size = _batch_size(idx)
-    new_line = lambda j, line, col: _shift_left(line, col, fill, pad)
+    new_line = lambda j, line, col: _shift_left(line, col, fill)
     if not read:  # a delete: the removed elements are not wanted
         storage, _ = _shift(storage, tok, idx, axis, new_line, ordered)
         return storage, jnp.zeros(bshape + storage.shape[axis + 1 :], storage.dtype)
@@ -351,7 +349,7 @@ def _pop_impl(storage, tok, *idx, axis, fill, read, ordered, pad):
     return storage, removed.reshape(bshape + storage.shape[axis + 1 :])
 
 
-def _pop_abstract(storage, tok, *idx, axis, fill, read, ordered, pad):
+def _pop_abstract(storage, tok, *idx, axis, fill, read, ordered):
     bshape = tuple(idx[0].shape)
     vshape = storage.shape[axis + 1 :]
     return storage, ShapedArray(bshape + vshape, storage.dtype)
@@ -389,21 +387,9 @@ pop_p = _define("esb_pop", _pop_impl, _pop_abstract)
 # (`_tokens`), and the next access on it picks the token up.
 
 
-def _guarded(tok, guard):
-    # `guard` (from `_ops`) is the run-time index check: it returns its argument
-    # through an `equinox.branched_error_if`. It goes on the token, which the access
-    # adds to one of its indices, so the access waits for the check. Not on the
-    # storage: a conditional that the storage passes through copied it when a read
-    # of the same storage was pending, and it gives the storage's tangent a new
-    # identity (breaking `_tokens.written`). Not on the indices: slower (see
-    # `_ops._raise_traced`).
-    return tok if guard is None else guard(tok)
-
-
-def bind_read(storage, tok, starts, sizes, guard=None):
+def bind_read(storage, tok, starts, sizes):
     key = storage
     storage, tok = _tokens.resolve(storage, tok)
-    tok = _guarded(tok, guard)
     storage, window, tok2 = read_p.bind(storage, tok, *starts, sizes=tuple(sizes))
     # Both the storage that was read and the storage the read returned now have a
     # pending read: the next access on either must come after it. Only a key of the
@@ -423,9 +409,8 @@ def bind_accum(storage, tok, window, starts, ordered=False):
     return storage
 
 
-def bind_swap(storage, tok, update, starts, read=True, guard=None):
+def bind_swap(storage, tok, update, starts, read=True):
     storage, tok = _tokens.resolve(storage, tok)
-    tok = _guarded(tok, guard)
     out = swap_p.bind(storage, tok, update, *starts, read=read)
     _tokens.mark_written(out[0])
     return out
@@ -437,25 +422,19 @@ def _needs_order(storage, ordered: bool) -> bool:
     return ordered or _tokens.written(storage)
 
 
-def bind_insert(storage, tok, value, idx, axis, ordered=False, pad=0, guard=None):
+def bind_insert(storage, tok, value, idx, axis, ordered=False):
     ordered = _needs_order(storage, ordered)
     storage, tok = _tokens.resolve(storage, tok)
-    tok = _guarded(tok, guard)
-    (storage,) = insert_p.bind(
-        storage, tok, value, *idx, axis=axis, ordered=ordered, pad=pad
-    )
+    (storage,) = insert_p.bind(storage, tok, value, *idx, axis=axis, ordered=ordered)
     _tokens.mark_written(storage)
     return storage
 
 
-def bind_pop(
-    storage, tok, idx, axis, fill, read=True, ordered=False, pad=0, guard=None
-):
+def bind_pop(storage, tok, idx, axis, fill, read=True, ordered=False):
     ordered = _needs_order(storage, ordered)
     storage, tok = _tokens.resolve(storage, tok)
-    tok = _guarded(tok, guard)
     out = pop_p.bind(
-        storage, tok, *idx, axis=axis, fill=fill, read=read, ordered=ordered, pad=pad
+        storage, tok, *idx, axis=axis, fill=fill, read=read, ordered=ordered
     )
     _tokens.mark_written(out[0])
     return out
@@ -515,25 +494,25 @@ def _swap_jvp(primals, tangents, *, read):
     return out, list(bind_swap(ts, tok, tu, starts, read))
 
 
-def _insert_jvp(primals, tangents, *, axis, ordered, pad):
+def _insert_jvp(primals, tangents, *, axis, ordered):
     storage, tok, value, *idx = primals
-    out = insert_p.bind(storage, tok, value, *idx, axis=axis, ordered=ordered, pad=pad)
+    out = insert_p.bind(storage, tok, value, *idx, axis=axis, ordered=ordered)
     ts, tv = tangents[0], tangents[2]
     if _all_zero(ts, tv):
         return out, [_zero_tangent(out[0])]
-    ts, tv = _inst(ts, storage), _inst(tv, value)
-    return out, [bind_insert(ts, tok, tv, idx, axis, ordered, pad)]
+    t_out = bind_insert(_inst(ts, storage), tok, _inst(tv, value), idx, axis, ordered)
+    return out, [t_out]
 
 
-def _pop_jvp(primals, tangents, *, axis, fill, read, ordered, pad):
+def _pop_jvp(primals, tangents, *, axis, fill, read, ordered):
     storage, tok, *idx = primals
     out = pop_p.bind(
-        storage, tok, *idx, axis=axis, fill=fill, read=read, ordered=ordered, pad=pad
+        storage, tok, *idx, axis=axis, fill=fill, read=read, ordered=ordered
     )
     ts = tangents[0]
     if type(ts) is ad.Zero:
         return out, [_zero_tangent(o) for o in out]
-    return out, list(bind_pop(ts, tok, idx, axis, 0, read, ordered, pad))
+    return out, list(bind_pop(ts, tok, idx, axis, 0, read, ordered))
 
 
 ad.primitive_jvps[read_p] = _read_jvp
@@ -596,17 +575,15 @@ def _swap_transpose(cts, storage, tok, update, *starts, read):
     return [ct_s, None, ct_u] + [None] * len(starts)
 
 
-def _insert_transpose(cts, storage, tok, value, *idx, axis, ordered, pad):
-    # With scratch slots (`pad`), the slots are not part of the buffer's contents:
-    # their cotangent is ignored, and what this writes into them is unspecified.
+def _insert_transpose(cts, storage, tok, value, *idx, axis, ordered):
     (ct_s,) = cts
     if type(ct_s) is ad.Zero:
         return [ct_s, None, ad.Zero(_aval(value))] + [None] * len(idx)
-    ct_s, ct_v = bind_pop(ct_s, tok, idx, axis, 0, pad=pad)
+    ct_s, ct_v = bind_pop(ct_s, tok, idx, axis, 0)
     return [ct_s, None, ct_v] + [None] * len(idx)
 
 
-def _pop_transpose(cts, storage, tok, *idx, axis, fill, read, ordered, pad):
+def _pop_transpose(cts, storage, tok, *idx, axis, fill, read, ordered):
     ct_s, ct_v = cts
     if _all_zero(ct_s, ct_v):
         return [ad.Zero(_aval(storage)), None] + [None] * len(idx)
@@ -617,7 +594,7 @@ def _pop_transpose(cts, storage, tok, *idx, axis, fill, read, ordered, pad):
         ct_v = _ct_or_zeros(ct_v, ShapedArray(vshape, s_aval.dtype))
     else:  # a delete: its `removed` output is a constant, with no cotangent
         ct_v = jnp.zeros(vshape, s_aval.dtype)
-    return [bind_insert(ct_s, tok, ct_v, idx, axis, pad=pad), None] + [None] * len(idx)
+    return [bind_insert(ct_s, tok, ct_v, idx, axis), None] + [None] * len(idx)
 
 
 ad.primitive_transposes[read_p] = _read_transpose
@@ -696,14 +673,14 @@ def _swap_batch(args, dims, *, read):
     return (s, old.reshape(old.shape[:nb] + old.shape[nb + 1 :])), (0, 0)
 
 
-def _insert_batch(args, dims, *, axis, ordered, pad):
+def _insert_batch(args, dims, *, axis, ordered):
     storage, tok, (value,), idx, _ = _batch_common(args, dims, 1, write=True)
-    return (bind_insert(storage, tok, value, idx, axis + 1, ordered, pad),), (0,)
+    return (bind_insert(storage, tok, value, idx, axis + 1, ordered),), (0,)
 
 
-def _pop_batch(args, dims, *, axis, fill, read, ordered, pad):
+def _pop_batch(args, dims, *, axis, fill, read, ordered):
     storage, tok, _, idx, _ = _batch_common(args, dims, 0, write=True)
-    out = bind_pop(storage, tok, idx, axis + 1, fill, read, ordered, pad)
+    out = bind_pop(storage, tok, idx, axis + 1, fill, read, ordered)
     return tuple(out), (0, 0)
 
 
