@@ -28,14 +28,18 @@ much as a small edit. So:
 - *Writes* run straight-line, the same operations plain `lax` code would use, with
   the pending token added to an index they really use (`_free_dim`).
 - A shift or accumulation whose storage comes straight from another straight-line
-  write (`_tokens.written`) reads its line in a loop first (`ordered=True`): XLA was
-  seen to fuse that read with the write before it into a read of the older buffer,
-  unordered with respect to that write (three inserts in one step copied twice
-  without this, in the forward pass as in plain `lax`).
+  write (`_tokens.written`) must not have its read fused with that write: XLA was
+  seen to turn such a read into a read of the older buffer, unordered with respect
+  to that write (three inserts in one step copied twice, in the forward pass as in
+  plain `lax`). XLA:CPU does that when the write's update is a single line (it then
+  counts as "effectively unary" and is duplicated into its consumers). So an
+  unbatched shift on a buffer with at least two lines reads and writes a *2-line
+  window*, its line and a neighbour (`_window2_edit`), which XLA does not
+  duplicate; other ordered shifts and accumulations read in a loop first.
 
-A step with one write thus has no loop in its forward pass; each further shift in
-the step, and each value that leaves a write (a popped element, a window's
-cotangent), costs one small loop.
+Steps that only shift or overwrite thus have no loop in their forward pass; each
+value that leaves a write (a popped element, an inserted value's cotangent) and
+each read costs one small loop.
 
 **Why reads return the storage.** `read_p` returns the storage it read from, and the
 caller uses that output afterwards. In the linearised program the storage tangent
@@ -290,21 +294,49 @@ def _shift_left(line, col, fill):
     )
 
 
-def _shift(storage, tok, idx, axis, new_line, ordered):
+def _window2_edit(s, ix, axis, new_line, line=None):
+    """Rewrite the line `s[ix[:-1]]` through a window of it and a neighbouring line.
+
+    An ordered shift without a loop. XLA:CPU duplicates a write whose update is a
+    single line (it counts as "effectively unary") into the next read of the
+    storage, turning that read into a read of the older storage, unordered with
+    respect to the write: the write copies. A write of two lines is not duplicated
+    (`benchmarks/experiments/window2_shift.py`).
+    """
+    d = axis - 1
+    r = ix[d]
+    r0 = jnp.minimum(r, s.shape[d] - 2)
+    k = r - r0
+    start = list(ix[:-1]) + [jnp.zeros_like(ix[-1])] * (s.ndim - axis)
+    start[d] = r0
+    sizes = (1,) * d + (2,) + tuple(s.shape[axis:])
+    win = lax.dynamic_slice(s, start, sizes).reshape((2,) + tuple(s.shape[axis:]))
+    if line is None:
+        line = lax.dynamic_index_in_dim(win, k, 0, keepdims=False)
+    new = new_line(jnp.int32(0), line, ix[-1]).astype(s.dtype)
+    which = lax.broadcasted_iota(k.dtype, win.shape, 0)
+    win = jnp.where(which == k, new[None], win)
+    return lax.dynamic_update_slice(s, win.reshape(sizes), start)
+
+
+def _shift(storage, tok, idx, axis, new_line, ordered, want_lines=False):
     """Replace each indexed line `l` by `new_line(j, l, col)`; `j` is the batch element.
 
     Returns `(storage, lines)`, with the lines as read when `ordered`, else `None`.
 
-    `ordered=False`: each line is read, shifted and written back straight-line, the
-    same operations as plain `lax` code. `ordered=True`: the lines are first read in
-    their own loop, then shifted and written back straight-line. Needed when
-    `storage` comes straight from another straight-line write: XLA may otherwise
-    fuse this line read with that write into a read of the *older* storage, which
-    is then unordered with respect to that write, and the write copies the buffer.
-    A read inside a loop cannot fuse with anything outside it.
+    Unbatched, on a buffer with at least two lines, each line is edited through a
+    2-line window (`_window2_edit`), straight-line. Otherwise: `ordered=False`
+    reads, shifts and writes each line straight-line, the same operations as plain
+    `lax` code; `ordered=True` first reads the lines in their own loop (needed when
+    `storage` comes straight from another straight-line write, see the module
+    docstring). `want_lines` forces that loop, to return the lines as read.
     """
     bshape, size = _batch_size(idx)
     lines = None
+    window = size == 1 and axis >= 1 and storage.shape[axis - 1] >= 2
+    if window and not want_lines:
+        body = lambda j, s, idx: _window2_edit(s, _element(idx, j), axis, new_line)
+        return _write(tok, size, body, storage, idx), None
     if ordered:
         starts = list(idx[:-1]) + [jnp.zeros_like(idx[-1])] * (storage.ndim - axis)
         sizes = _line_sizes(storage.shape, axis)
@@ -315,6 +347,8 @@ def _shift(storage, tok, idx, axis, new_line, ordered):
         ix = _element(idx, j)
         if lines is None:
             start, line = _read_line(s, ix, axis)
+        elif window:
+            return _window2_edit(s, ix, axis, new_line, _take(lines, j))
         else:
             start, line = _line_start(ix, s.ndim), _take(lines, j)
         return _write_line(s, start, new_line(j, line, ix[-1]), axis)
@@ -341,7 +375,7 @@ def _pop_impl(storage, tok, *idx, axis, fill, read, ordered):
         return storage, jnp.zeros(bshape + storage.shape[axis + 1 :], storage.dtype)
     # The removed elements must be read before the write (DESIGN.md rule 2), and
     # read from materialised lines: an ordered shift.
-    storage, lines = _shift(storage, tok, idx, axis, new_line, True)
+    storage, lines = _shift(storage, tok, idx, axis, new_line, True, True)
     cols = jnp.broadcast_to(idx[-1], bshape).reshape(size)
     removed = jax.vmap(lambda line, c: lax.dynamic_index_in_dim(line, c, 0, False))(
         lines, cols
