@@ -263,3 +263,31 @@ def _jitted_scan(shape, axis):
         step = _scan_step(shape, axis)
         _JITTED[key] = jax.jit(lambda x, xs: lax.scan(step, x, xs))
     return _JITTED[key]
+
+
+@pytest.mark.parametrize("row", [0, 1, 2], ids=["first", "middle", "last"])
+@pytest.mark.parametrize("rows", [1, 2, 3])
+def test_shifts_at_every_row_position_in_a_scan(rows, row):
+    # Shifts edit a line through a window of it and a neighbouring line (the last
+    # line's neighbour is the one before it); a buffer of one line has no window.
+    if row >= rows:
+        pytest.skip("no such row")
+    x0 = np.arange(rows * 5, dtype=np.float32).reshape(rows, 5)
+    cols = np.array([0, 4, 2], np.int32)
+
+    def step(b, c):
+        b = b.insert((jnp.int32(row), c), 100.0 + c)
+        b, out = b.pop((jnp.int32(row), (c + 1) % 5))
+        return b.delete((jnp.int32(row), c)), out
+
+    b, outs = jax.jit(lambda x, cs: lax.scan(step, esb.ShiftBuffer.from_array(x), cs))(
+        x0, cols
+    )
+    expected, removed = x0, []
+    for c in cols:
+        expected = ref.insert(expected, (row, c), 100.0 + c, 1)
+        expected, out = ref.pop(expected, (row, (c + 1) % 5), 1)
+        expected = ref.delete(expected, (row, c), 1)
+        removed.append(out)
+    np.testing.assert_array_equal(b.array, expected)
+    np.testing.assert_array_equal(outs, np.array(removed))
