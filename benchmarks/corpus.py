@@ -44,6 +44,8 @@ from jax import lax
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from insert_delete import insert_row, insert_transpose  # noqa: E402  (this folder)
+
 import eqx_shiftbuf as esb  # noqa: E402
 from eqx_shiftbuf import corpus  # noqa: E402
 from eqx_shiftbuf._inspect import loop_copies_in_hlo  # noqa: E402
@@ -57,17 +59,9 @@ COLS = {"stack_push_pop": 64, "kv_cache_attention": 64}  # default: --cols
 # Hand-written custom_vjp for the single insert, on a buffer with 1 padding column.
 
 
-def _insert_row(buf, r, c, v, n):
-    pos = jnp.arange(buf.shape[1])
-    row = lax.dynamic_slice(buf, (r, jnp.zeros_like(r)), (1, buf.shape[1]))[0]
-    new = jnp.where(pos < c, row, jnp.where(pos == c, v, jnp.roll(row, 1)))
-    new = jnp.where(pos < n, new, row)  # the padding column is left alone
-    return lax.dynamic_update_slice(buf, new[None], (r, jnp.zeros_like(r)))
-
-
 @jax.custom_vjp
 def _cv_insert(buf, v, r, c):
-    return _insert_row(buf, r, c, v, buf.shape[1] - 1)
+    return insert_row(buf, r, c, v, buf.shape[1] - 1)
 
 
 def _cv_insert_fwd(buf, v, r, c):
@@ -76,17 +70,9 @@ def _cv_insert_fwd(buf, v, r, c):
 
 def _cv_insert_bwd(res, ct):
     r, c = res
-    n = ct.shape[1] - 1
-    pos = jnp.arange(n + 1)
-    zero = jnp.zeros_like(r)
-    row = lax.dynamic_slice(ct, (r, zero), (1, n + 1))[0]
-    stash = lax.dynamic_index_in_dim(row, c, keepdims=False)
-    # Shift left from c, 0 at n-1, and the value's cotangent stashed at n (padding).
-    tail = jnp.where(pos < n - 1, jnp.roll(row, -1), jnp.where(pos == n - 1, 0, stash))
-    row = jnp.where(pos < c, row, tail)
-    ct = lax.dynamic_update_slice(ct, row[None], (r, zero))
+    ct, ct_v = insert_transpose(ct, r, c)
     f0 = lambda i: np.zeros(np.shape(i), jax.dtypes.float0)
-    return ct, ct[r, n], f0(r), f0(c)  # read the stash after the write
+    return ct, ct_v, f0(r), f0(c)
 
 
 _cv_insert.defvjp(_cv_insert_fwd, _cv_insert_bwd)

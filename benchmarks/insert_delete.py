@@ -43,7 +43,7 @@ from eqx_shiftbuf import demo  # noqa: E402
 # The hand-written custom_vjp baseline. Storage: the buffer plus one padding column.
 
 
-def _insert_row(buf, r, c, v, n):
+def insert_row(buf, r, c, v, n):
     pos = jnp.arange(n)
     row = lax.dynamic_slice(buf, (r, 0), (1, n))[0]
     row = jnp.where(pos < c, row, jnp.where(pos == c, v, jnp.roll(row, 1)))
@@ -60,28 +60,39 @@ def _delete_row(buf, r, c, n):
 @jax.custom_vjp
 def _edit(buf, v, r_ins, c_ins, r_del, c_del):
     n = buf.shape[1] - 1  # the last column is padding, never touched
-    return _delete_row(_insert_row(buf, r_ins, c_ins, v, n), r_del, c_del, n)
+    return _delete_row(insert_row(buf, r_ins, c_ins, v, n), r_del, c_del, n)
 
 
 def _edit_fwd(buf, v, r_ins, c_ins, r_del, c_del):
     return _edit(buf, v, r_ins, c_ins, r_del, c_del), (r_ins, c_ins, r_del, c_del)
 
 
+def insert_transpose(ct, r, c):
+    """The backward of `insert_row` on a buffer with one padding column.
+
+    The transpose of an insert is a delete, plus the value's cotangent `ct[r, c]`:
+    stash it in the padding column with the same row write, and read it last.
+    Returns `(ct, value's cotangent)`.
+    """
+    n = ct.shape[1] - 1
+    pos = jnp.arange(n + 1)
+    zero = jnp.zeros_like(r)
+    row = lax.dynamic_slice(ct, (r, zero), (1, n + 1))[0]
+    stash = lax.dynamic_index_in_dim(row, c, keepdims=False)
+    tail = jnp.where(pos < n - 1, jnp.roll(row, -1), jnp.where(pos == n - 1, 0, stash))
+    row = jnp.where(pos < c, row, tail)
+    ct = lax.dynamic_update_slice(ct, row[None], (r, zero))
+    return ct, ct[r, n]
+
+
 def _edit_bwd(res, ct):
     r_ins, c_ins, r_del, c_del = res
     n = ct.shape[1] - 1
     # The transpose of a delete is an insert of 0.
-    ct = _insert_row(ct, r_del, c_del, 0.0, n)
-    # The transpose of an insert is a delete, plus the value's cotangent ct[r, c]:
-    # stash it in the padding column with the same row write, and read it last.
-    pos = jnp.arange(n + 1)
-    row = lax.dynamic_slice(ct, (r_ins, 0), (1, n + 1))[0]
-    stash = lax.dynamic_index_in_dim(row, c_ins, keepdims=False)
-    tail = jnp.where(pos < n - 1, jnp.roll(row, -1), jnp.where(pos == n - 1, 0, stash))
-    row = jnp.where(pos < c_ins, row, tail)
-    ct = lax.dynamic_update_slice(ct, row[None], (r_ins, 0))
+    ct = insert_row(ct, r_del, c_del, 0.0, n)
+    ct, ct_v = insert_transpose(ct, r_ins, c_ins)
     zero = lambda i: np.zeros(np.shape(i), jax.dtypes.float0)
-    return ct, ct[r_ins, n], zero(r_ins), zero(c_ins), zero(r_del), zero(c_del)
+    return ct, ct_v, zero(r_ins), zero(c_ins), zero(r_del), zero(c_del)
 
 
 _edit.defvjp(_edit_fwd, _edit_bwd)

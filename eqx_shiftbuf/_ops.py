@@ -386,12 +386,8 @@ def dynamic_update_slice(
     - `update`: the new contents of the window; same rank and dtype as `x`, and no
       larger along any dimension.
     - `start_indices`: one integer scalar per dimension of `x`.
-    - `mode`: `None` (the default) checks traced indices when the program runs,
-      through `equinox.error_if`. `"promise_in_bounds"` skips that check, as the
-      mode of that name does for `jax.numpy`'s `.at[...]`: you promise that every
-      index is in range, and a traced index out of range then gives an unspecified
-      result. The check costs a conditional per call, which on XLA:CPU is about as
-      much as a small edit itself. Python-int indices are always checked.
+    - `mode`: as for [`eqx_shiftbuf.dynamic_slice`][]: `"promise_in_bounds"` skips
+      the run-time index check.
 
     **Returns:**
 
@@ -443,12 +439,8 @@ def insert(
       `axis` (a bare scalar when `axis` is 0).
     - `value`: an array of shape `x.shape[axis+1:]` (a scalar when `axis` is the last).
     - `axis`: the shift axis; a `ShiftBuffer` uses its own. Default `-1`.
-    - `mode`: `None` (the default) checks traced indices when the program runs,
-      through `equinox.error_if`. `"promise_in_bounds"` skips that check, as the
-      mode of that name does for `jax.numpy`'s `.at[...]`: you promise that every
-      index is in range, and a traced index out of range then gives an unspecified
-      result. The check costs a conditional per call, which on XLA:CPU is about as
-      much as a small edit itself. Python-int indices are always checked.
+    - `mode`: as for [`eqx_shiftbuf.dynamic_slice`][]: `"promise_in_bounds"` skips
+      the run-time index check.
 
     **Returns:**
 
@@ -485,24 +477,15 @@ def pop(
     - `axis`: the shift axis; a `ShiftBuffer` uses its own. Default `-1`.
     - `fill`: the value shifted in at the end of the line. Default: the
       `ShiftBuffer`'s `fill`, or 0.
-    - `mode`: `None` (the default) checks traced indices when the program runs,
-      through `equinox.error_if`. `"promise_in_bounds"` skips that check, as the
-      mode of that name does for `jax.numpy`'s `.at[...]`: you promise that every
-      index is in range, and a traced index out of range then gives an unspecified
-      result. The check costs a conditional per call, which on XLA:CPU is about as
-      much as a small edit itself. Python-int indices are always checked.
+    - `mode`: as for [`eqx_shiftbuf.dynamic_slice`][]: `"promise_in_bounds"` skips
+      the run-time index check.
 
     **Returns:**
 
     `(buffer, removed)`: the buffer after the removal, of the same kind as `x`, and
     the removed element, of shape `x.shape[axis+1:]`.
     """
-    _refuse_eqx_shift(x, "pop/delete")
-    storage, ax, fill = _storage_and_axis(x, axis, fill)
-    fill = _check_fill(fill, storage.dtype)
-    idx = check_index(index, storage.shape, ax, mode)
-    tok = _base_token(storage, idx)
-    new_storage, removed = P.bind_pop(storage, tok, idx, ax, fill)
+    new_storage, removed = _pop(x, index, axis, fill, mode, read=True)
     return _rebuild(x, new_storage), removed
 
 
@@ -524,13 +507,18 @@ def delete(
 
     The buffer after the removal, of the same kind as `x`.
     """
+    new_storage, _ = _pop(x, index, axis, fill, mode, read=False)
+    return _rebuild(x, new_storage)
+
+
+def _pop(x, index, axis, fill, mode, read: bool):
+    """The shared body of `pop` and `delete`: `(new storage, removed)`."""
     _refuse_eqx_shift(x, "pop/delete")
     storage, ax, fill = _storage_and_axis(x, axis, fill)
     fill = _check_fill(fill, storage.dtype)
     idx = check_index(index, storage.shape, ax, mode)
     tok = _base_token(storage, idx)
-    new_storage, _ = P.bind_pop(storage, tok, idx, ax, fill, read=False)
-    return _rebuild(x, new_storage)
+    return P.bind_pop(storage, tok, idx, ax, fill, read=read)
 
 
 def _check_fill(fill: Any, dtype: Any) -> Any:

@@ -148,15 +148,9 @@ def _put(x: jax.Array, j, v: jax.Array) -> jax.Array:
     return lax.dynamic_update_index_in_dim(x, v, j, 0)
 
 
-def _line_start(idx: Sequence[jax.Array], ndim: int, tok=None) -> list:
-    """Start of the line `storage[i_0, ..., i_{axis-1}, :, ...]`.
-
-    `tok` (a run-time zero) is added to the shift-axis entry: that makes the write
-    depend on the access that produced it (see `_after`).
-    """
+def _line_start(idx: Sequence[jax.Array], ndim: int) -> list:
+    """Start of the line `storage[i_0, ..., i_{axis-1}, :, ...]`."""
     zero = jnp.zeros((), idx[0].dtype) if idx else jnp.int32(0)
-    if tok is not None:
-        zero = zero + tok.astype(zero.dtype)
     return list(idx[:-1]) + [zero] * (ndim - len(idx) + 1)
 
 

@@ -31,14 +31,18 @@ def _min_bytes(init):
     return init.size * init.dtype.itemsize // 2
 
 
-@pytest.mark.parametrize("mode", corpus.MODES)
-@pytest.mark.parametrize("name", NAMES)
-def test_no_per_iteration_copies(name, mode):
+def _assert_no_copies(ops, name, mode):
     body = corpus.BODIES_BY_NAME[name]
-    fn = corpus.program(mode, corpus.make_loss(body, corpus.ESB))
+    fn = corpus.program(mode, corpus.make_loss(body, ops))
     args = _args(body, mode)
     copies = esb.find_loop_copies(fn, *args, min_bytes=_min_bytes(args[1]))
     assert copies == [], "\n".join(map(str, copies))
+
+
+@pytest.mark.parametrize("mode", corpus.MODES)
+@pytest.mark.parametrize("name", NAMES)
+def test_no_per_iteration_copies(name, mode):
+    _assert_no_copies(corpus.ESB, name, mode)
 
 
 @pytest.mark.parametrize("mode", ["forward", "grad"])
@@ -47,11 +51,7 @@ def test_no_per_iteration_copies_without_index_checks(name, mode):
     # The run-time index checks are conditionals, which XLA does not fuse across:
     # without them (`mode="promise_in_bounds"`) more fusion is possible, and three
     # inserts in one step once copied that way.
-    body = corpus.BODIES_BY_NAME[name]
-    fn = corpus.program(mode, corpus.make_loss(body, corpus.ESB_PROMISE))
-    args = _args(body, mode)
-    copies = esb.find_loop_copies(fn, *args, min_bytes=_min_bytes(args[1]))
-    assert copies == [], "\n".join(map(str, copies))
+    _assert_no_copies(corpus.ESB_PROMISE, name, mode)
 
 
 @pytest.mark.parametrize("mode", corpus.MODES)

@@ -14,6 +14,7 @@ import pytest
 from jax import lax
 
 import eqx_shiftbuf as esb
+from eqx_shiftbuf import corpus
 
 
 ROWS, COLS, STEPS, K = 64, 512, 8, 16
@@ -82,24 +83,12 @@ def _inputs():
     return p, init, xs
 
 
-def _program(mode, loss):
-    if mode == "forward":
-        return loss
-    if mode == "grad":
-        return jax.grad(loss, argnums=(0, 1))
-    if mode == "jvp":
-        return lambda p, init, xs: jax.jvp(
-            lambda p, init: loss(p, init, xs), (p, init), (p, init)
-        )
-    raise AssertionError(mode)
-
-
 @pytest.mark.parametrize("x64", [False, True], ids=["x32", "x64"])
 @pytest.mark.parametrize("mode", ["forward", "grad", "jvp"])
 @pytest.mark.parametrize("name", list(STEPS_BY_NAME))
 def test_no_per_iteration_copies(name, mode, x64):
     with jax.enable_x64(x64):
-        fn = _program(mode, _loss(STEPS_BY_NAME[name]))
+        fn = corpus.program(mode, _loss(STEPS_BY_NAME[name]))
         copies = esb.find_loop_copies(fn, *_inputs(), min_bytes=MIN_BYTES)
     assert copies == [], "\n".join(map(str, copies))
 
@@ -131,7 +120,7 @@ def test_plain_lax_insert_copies_under_grad():
     # counts above are a property of the library, not of the test.
     p, init, xs = _inputs()
     plain = _PlainBuffer(init.array)
-    fn = _program("grad", _loss(_step_insert))
+    fn = corpus.program("grad", _loss(_step_insert))
     assert len(esb.find_loop_copies(fn, p, plain, xs, min_bytes=MIN_BYTES)) >= 1
 
 
