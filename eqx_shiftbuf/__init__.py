@@ -13,6 +13,7 @@ from ._ops import (
     insert as insert,
     pop as pop,
 )
+from ._scan import scan as scan
 
 
 __version__ = "0.1.0"

@@ -1,0 +1,717 @@
+"""`esb.scan`: `lax.scan` with an optimal checkpointed reverse pass and forward mode.
+
+`kind="checkpointed"` binds `scan_p`, a primitive holding the body's jaxpr (traced
+once). Its rules:
+
+- evaluation: `lax.scan` of the body;
+- JVP: the primal outputs from `scan_p(save=True)`, which also stores the carries
+  the schedule asks for (`_schedule.py`), and the tangents from `scan_lin_p`, which
+  is linear in the tangents and whose only residuals are the scan's inputs and
+  those stored carries. Evaluated (forward mode) it runs `lax.scan` of the body's
+  JVP;
+- transpose of `scan_lin_p`: the binomial reverse pass, a loop over reversals that
+  each load a stored carry, rerun the steps the schedule says (storing some), and
+  apply the body's VJP to the step after them.
+
+`jax.custom_vjp` would have been shorter but cannot be differentiated in forward
+mode (Equinox's checkpointed loops have that limit, equinox#927); a primitive pair
+with a JVP and a transpose gives both modes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any, Literal
+
+import jax
+import jax.numpy as jnp
+import jax.tree_util as jtu
+import numpy as np
+from jax import lax
+from jax._src import api_util, core as jcore, linear_util as lu
+from jax._src.interpreters import partial_eval as pe
+from jax.extend.core import ClosedJaxpr, jaxpr_as_fun, Primitive
+from jax.interpreters import ad, batching, mlir
+
+from ._schedule import schedule
+
+
+# ---------------------------------------------------------------------------
+# Tracing a flat function once into a jaxpr whose constants are leading inputs.
+
+
+def _trace(fn: Callable, avals: Sequence[Any], name: str) -> tuple[ClosedJaxpr, list]:
+    """Trace `fn(*flat) -> list` at `avals`; return (jaxpr over (*consts, *flat),
+    consts). Closed-over tracers of outer transformations become consts, so they
+    are operands of the primitive and every transformation sees them."""
+    dbg = api_util.debug_info(name, fn, tuple(avals), {})
+    jaxpr, _, consts = pe.trace_to_jaxpr_dynamic(
+        lu.wrap_init(fn, debug_info=dbg), avals
+    )
+    closed = pe.close_jaxpr(pe.convert_constvars_jaxpr(jaxpr))
+    return closed, list(consts)
+
+
+def _inexact(aval: Any) -> bool:
+    return jnp.issubdtype(aval.dtype, jnp.inexact)
+
+
+def _aval(x: Any) -> Any:
+    return jcore.typeof(x)
+
+
+def _stacked(length: int, aval: Any) -> Any:
+    return jcore.ShapedArray((length, *aval.shape), aval.dtype)
+
+
+def _float0_zeros(aval: Any) -> np.ndarray:
+    return np.zeros(aval.shape, jax.dtypes.float0)
+
+
+# ---------------------------------------------------------------------------
+# Parameters shared by both primitives. `jaxpr`: (*consts, *carry, *x) ->
+# (*carry, *y). The operands of `scan_p` are (*consts, *init, *xs).
+
+
+def _split(seq: Sequence, *sizes: int) -> list[list]:
+    out, i = [], 0
+    for n in sizes:
+        out.append(list(seq[i : i + n]))
+        i += n
+    out.append(list(seq[i:]))
+    return out
+
+
+def _body(jaxpr: ClosedJaxpr, num_carry: int):
+    fun = jaxpr_as_fun(jaxpr)
+
+    def body(consts, carry, x):
+        out = fun(*consts, *carry, *x)
+        return list(out[:num_carry]), list(out[num_carry:])
+
+    return body
+
+
+def _out_avals(jaxpr: ClosedJaxpr, num_carry: int, length: int) -> list:
+    avals = jaxpr.out_avals
+    return list(avals[:num_carry]) + [_stacked(length, a) for a in avals[num_carry:]]
+
+
+def _primal_scan(consts, init, xs, *, jaxpr, num_carry, length, unroll):
+    body = _body(jaxpr, num_carry)
+    carry, ys = lax.scan(
+        lambda c, x: body(consts, c, x),
+        list(init),
+        list(xs),
+        length=length,
+        unroll=unroll,
+    )
+    return list(carry) + list(ys)
+
+
+# ---------------------------------------------------------------------------
+# scan_p
+
+
+scan_p = Primitive("esb_scan")
+scan_p.multiple_results = True
+
+
+def _scan_impl(*args, jaxpr, num_consts, num_carry, length, checkpoints, unroll, save):
+    consts, init, xs = _split(args, num_consts, num_carry)
+    if not save:
+        return _primal_scan(
+            consts,
+            init,
+            xs,
+            jaxpr=jaxpr,
+            num_carry=num_carry,
+            length=length,
+            unroll=unroll,
+        )
+    body = _body(jaxpr, num_carry)
+    sched = schedule(length, checkpoints)
+    slots = jnp.asarray(sched.primal_slot)
+    snaps0 = [
+        jnp.zeros((sched.checkpoints, *jnp.shape(c)), jnp.result_type(c)) for c in init
+    ]
+
+    def step(state, inp):
+        carry, snaps = state
+        k, x = inp
+        slot = slots[k]
+        # Store the carry before step k when the schedule says so. A `cond` keeps
+        # the other steps from touching the store.
+        snaps = lax.cond(
+            slot >= 0,
+            lambda s: [si.at[slot].set(ci) for si, ci in zip(s, carry)],
+            lambda s: s,
+            snaps,
+        )
+        carry, y = body(consts, carry, x)
+        return (carry, snaps), y
+
+    (carry, snaps), ys = lax.scan(
+        step,
+        (list(init), snaps0),
+        (jnp.arange(length, dtype=jnp.int32), list(xs)),
+        length=length,
+        unroll=unroll,
+    )
+    return list(carry) + list(ys) + list(snaps)
+
+
+def _scan_abstract_eval(
+    *args, jaxpr, num_consts, num_carry, length, checkpoints, unroll, save
+):
+    out = _out_avals(jaxpr, num_carry, length)
+    if save:
+        slots = min(checkpoints, max(length, 1))
+        init = args[num_consts : num_consts + num_carry]
+        out += [_stacked(slots, a) for a in init]
+    return out, jaxpr.effects
+
+
+scan_p.def_impl(_scan_impl)
+scan_p.def_effectful_abstract_eval(_scan_abstract_eval)
+mlir.register_lowering(scan_p, mlir.lower_fun(_scan_impl, multiple_results=True))
+
+
+def _scan_jvp(
+    primals,
+    tangents,
+    *,
+    jaxpr,
+    num_consts,
+    num_carry,
+    length,
+    checkpoints,
+    unroll,
+    save,
+):
+    if save:
+        raise NotImplementedError(
+            "esb.scan: forward mode of a scan inside the JVP of a checkpointed scan "
+            "(a second derivative) is not supported; use kind='lax'."
+        )
+    params = dict(
+        jaxpr=jaxpr,
+        num_consts=num_consts,
+        num_carry=num_carry,
+        length=length,
+        checkpoints=checkpoints,
+        unroll=unroll,
+    )
+    out_avals = _out_avals(jaxpr, num_carry, length)
+    if all(type(t) is ad.Zero for t in tangents):
+        out = scan_p.bind(*primals, save=False, **params)
+        return out, [ad.Zero(a.to_tangent_aval()) for a in out_avals]
+    outs = scan_p.bind(*primals, save=True, **params)
+    n_out = len(out_avals)
+    primal_out, snaps = outs[:n_out], outs[n_out:]
+    in_avals = [_aval(p) for p in primals]
+    tangents_in = [
+        ad.instantiate_zeros(t) for t, a in zip(tangents, in_avals) if _inexact(a)
+    ]
+    tangent_out = scan_lin_p.bind(*primals, *snaps, *tangents_in, **params)
+    tangent_out = iter(tangent_out)
+    out_tangents = [
+        next(tangent_out) if _inexact(a) else ad.Zero(a.to_tangent_aval())
+        for a in out_avals
+    ]
+    return primal_out, out_tangents
+
+
+ad.primitive_jvps[scan_p] = _scan_jvp
+
+
+# ---------------------------------------------------------------------------
+# scan_lin_p: operands (*consts, *init, *xs, *snaps, *tangents of the inexact
+# ones among consts, init, xs). Outputs: tangents of the inexact outputs.
+
+
+scan_lin_p = Primitive("esb_scan_lin")
+scan_lin_p.multiple_results = True
+
+
+def _lin_split(args, num_consts, num_carry, num_in):
+    primals, rest = args[:num_in], args[num_in:]
+    snaps, tangents = rest[:num_carry], rest[num_carry:]
+    return list(primals), list(snaps), list(tangents)
+
+
+def _full_tangents(primals, tangents):
+    it = iter(tangents)
+    return [
+        next(it) if _inexact(_aval(p)) else _float0_zeros(_aval(p)) for p in primals
+    ]
+
+
+def _lin_impl(*args, jaxpr, num_consts, num_carry, length, checkpoints, unroll):
+    num_in = len(jaxpr.in_avals)
+    primals, _, tangents = _lin_split(args, num_consts, num_carry, num_in)
+    tfull = _full_tangents(primals, tangents)
+    consts, init, xs = _split(primals, num_consts, num_carry)
+    tconsts, tinit, txs = _split(tfull, num_consts, num_carry)
+    body = _body(jaxpr, num_carry)
+
+    def step(state, inp):
+        carry, tcarry = state
+        x, tx = inp
+        (carry, y), (tcarry, ty) = jax.jvp(
+            lambda k, c, xx: body(k, c, xx), (consts, carry, x), (tconsts, tcarry, tx)
+        )
+        return (carry, tcarry), ty
+
+    (carry, tcarry), tys = lax.scan(
+        step, (init, tinit), (xs, txs), length=length, unroll=unroll
+    )
+    out = list(tcarry) + list(tys)
+    out_avals = _out_avals(jaxpr, num_carry, length)
+    return [t for t, a in zip(out, out_avals) if _inexact(a)]
+
+
+def _lin_abstract_eval(
+    *args, jaxpr, num_consts, num_carry, length, checkpoints, unroll
+):
+    out_avals = _out_avals(jaxpr, num_carry, length)
+    return [a for a in out_avals if _inexact(a)], jaxpr.effects
+
+
+scan_lin_p.def_impl(_lin_impl)
+scan_lin_p.def_effectful_abstract_eval(_lin_abstract_eval)
+mlir.register_lowering(scan_lin_p, mlir.lower_fun(_lin_impl, multiple_results=True))
+
+
+def _lin_jvp(primals, tangents, **params):
+    raise NotImplementedError(
+        "esb.scan: differentiating the derivative of a checkpointed scan (a second "
+        "derivative) is not supported yet; use kind='lax' for it."
+    )
+
+
+ad.primitive_jvps[scan_lin_p] = _lin_jvp
+
+
+def _lin_transpose(
+    cts, *args, jaxpr, num_consts, num_carry, length, checkpoints, unroll
+):
+    num_in = len(jaxpr.in_avals)
+    primals, snaps, tangents = _lin_split(args, num_consts, num_carry, num_in)
+    assert not any(ad.is_undefined_primal(x) for x in primals + snaps)
+    consts, _, xs = _split(primals, num_consts, num_carry)
+    in_avals = [_aval(p) for p in primals]
+    # Which inputs need a cotangent: inexact, with an undefined (linear) tangent.
+    tangent_iter = iter(tangents)
+    needed = []
+    for a in in_avals:
+        if _inexact(a):
+            needed.append(ad.is_undefined_primal(next(tangent_iter)))
+        else:
+            needed.append(False)
+    need_consts, _, need_xs = _split(needed, num_consts, num_carry)
+    out_avals = _out_avals(jaxpr, num_carry, length)
+    cts = iter(cts)
+    ct_out = [
+        ad.instantiate_zeros(next(cts)) if _inexact(a) else None for a in out_avals
+    ]
+    ct_carry_out, ct_ys = ct_out[:num_carry], ct_out[num_carry:]
+    ct_consts, ct_init, ct_xs = _reverse_pass(
+        jaxpr=jaxpr,
+        num_carry=num_carry,
+        length=length,
+        checkpoints=checkpoints,
+        consts=consts,
+        xs=xs,
+        snaps=snaps,
+        ct_carry=ct_carry_out,
+        ct_ys=ct_ys,
+        need_consts=need_consts,
+        need_xs=need_xs,
+    )
+    result = [None] * (len(primals) + len(snaps))
+    for ct, need, a in zip(ct_consts + ct_init + ct_xs, needed, in_avals):
+        if _inexact(a):
+            result.append(ct if need else None)
+    return result
+
+
+ad.primitive_transposes[scan_lin_p] = _lin_transpose
+
+
+def _reverse_pass(
+    *,
+    jaxpr,
+    num_carry,
+    length,
+    checkpoints,
+    consts,
+    xs,
+    snaps,
+    ct_carry,
+    ct_ys,
+    need_consts,
+    need_xs,
+):
+    """The binomial reverse pass. Returns cotangents of (consts, init, xs), with
+    `None` where not inexact or not needed."""
+    body = _body(jaxpr, num_carry)
+    sched = schedule(length, checkpoints)
+    carry_avals = list(jaxpr.in_avals[len(consts) : len(consts) + num_carry])
+    x_avals = list(jaxpr.in_avals[len(consts) + num_carry :])
+    y_avals = list(jaxpr.out_avals[num_carry:])
+    diff_carry = [_inexact(a) for a in carry_avals]
+    diff_y = [_inexact(a) for a in y_avals]
+    diff_consts = list(need_consts)
+    diff_xs = list(need_xs)
+
+    restore = jnp.asarray(sched.restore)
+    begin = jnp.asarray(sched.begin)
+    end = jnp.asarray(sched.end)
+    reverse = jnp.asarray(sched.reverse)
+    adv_step = jnp.asarray(sched.advance_step) if sched.recomputed else None
+    adv_slot = jnp.asarray(sched.advance_slot) if sched.recomputed else None
+
+    def x_at(i):
+        return [lax.dynamic_index_in_dim(x, i, keepdims=False) for x in xs]
+
+    def pick(seq, mask):
+        return [s for s, m in zip(seq, mask) if m]
+
+    def fill(full, mask, parts):
+        it = iter(parts)
+        return [next(it) if m else f for f, m in zip(full, mask)]
+
+    def advance(state):
+        assert adv_step is not None and adv_slot is not None
+        g, carry, snaps = state
+        k = adv_step[g]
+        carry, _ = body(consts, carry, x_at(k))
+        slot = adv_slot[g]
+        snaps = lax.cond(
+            slot >= 0,
+            lambda s: [si.at[slot].set(ci) for si, ci in zip(s, carry)],
+            lambda s: s,
+            snaps,
+        )
+        return g + 1, carry, snaps
+
+    def reversal(j, state):
+        snaps, ct_c, ct_k, ct_x = state
+        carry = [lax.dynamic_index_in_dim(s, restore[j], keepdims=False) for s in snaps]
+        if adv_step is not None:
+            _, carry, snaps = lax.while_loop(
+                lambda s: s[0] < end[j], advance, (begin[j], carry, snaps)
+            )
+        i = reverse[j]
+        x = x_at(i)
+
+        def f(dk, dc, dx):
+            c_out, y = body(
+                fill(consts, diff_consts, dk),
+                fill(carry, diff_carry, dc),
+                fill(x, diff_xs, dx),
+            )
+            return pick(c_out, diff_carry), pick(y, diff_y)
+
+        _, vjp_fn = jax.vjp(
+            f, pick(consts, diff_consts), pick(carry, diff_carry), pick(x, diff_xs)
+        )
+        ct_y_i = [
+            lax.dynamic_index_in_dim(c, i, keepdims=False) for c in pick(ct_ys, diff_y)
+        ]
+        dk, dc, dx = vjp_fn((ct_c, ct_y_i))
+        ct_k = [a + b for a, b in zip(ct_k, dk)]
+        ct_x = [lax.dynamic_update_index_in_dim(a, b, i, 0) for a, b in zip(ct_x, dx)]
+        return snaps, list(dc), ct_k, ct_x
+
+    ct_c0 = pick(ct_carry, diff_carry)
+    ct_k0 = [
+        jnp.zeros(a.shape, a.dtype)
+        for a in pick(jaxpr.in_avals[: len(consts)], diff_consts)
+    ]
+    ct_x0 = [jnp.zeros((length, *a.shape), a.dtype) for a in pick(x_avals, diff_xs)]
+    _, ct_c, ct_k, ct_x = lax.fori_loop(
+        0, length, reversal, (list(snaps), ct_c0, ct_k0, ct_x0)
+    )
+    ct_consts = fill([None] * len(consts), diff_consts, ct_k)
+    ct_init = fill([None] * num_carry, diff_carry, ct_c)
+    ct_xs = fill([None] * len(xs), diff_xs, ct_x)
+    return ct_consts, ct_init, ct_xs
+
+
+# ---------------------------------------------------------------------------
+# Batching: the body is vmapped; the carry is always batched (at 0), consts and xs
+# only when they are (consts at 0, xs at 1: after the scanned axis).
+
+
+def _batch_body(jaxpr, num_consts, num_carry, size, consts_batched, xs_batched):
+    num_in = len(jaxpr.in_avals)
+    fun = jaxpr_as_fun(jaxpr)
+    in_axes = (
+        [0 if b else None for b in consts_batched]
+        + [0] * num_carry
+        + [0 if b else None for b in xs_batched]
+    )
+    in_avals = [
+        jcore.ShapedArray((size, *a.shape), a.dtype) if ax == 0 else a
+        for a, ax in zip(jaxpr.in_avals, in_axes)
+    ]
+    assert len(in_avals) == num_in
+    batched = jax.vmap(
+        lambda *a: list(fun(*a)), in_axes=in_axes, out_axes=0, axis_size=size
+    )
+    new, extra = _trace(batched, in_avals, "esb.scan (vmapped body)")
+    return new, extra
+
+
+def _move(x, d, to, size):
+    if d is None:
+        x = jnp.broadcast_to(
+            jnp.expand_dims(x, to), (*x.shape[:to], size, *x.shape[to:])
+        )
+        return x
+    return jnp.moveaxis(x, d, to)
+
+
+def _axis_size(args, dims):
+    for x, d in zip(args, dims):
+        if d is not None:
+            return x.shape[d]
+    raise AssertionError
+
+
+def _scan_batch(
+    args, dims, *, jaxpr, num_consts, num_carry, length, checkpoints, unroll, save
+):
+    size = _axis_size(args, dims)
+    consts, init, xs = _split(args, num_consts, num_carry)
+    cd, idims, xd = _split(dims, num_consts, num_carry)
+    cb = [d is not None for d in cd]
+    xb = [d is not None for d in xd]
+    new, extra = _batch_body(jaxpr, num_consts, num_carry, size, cb, xb)
+    consts = [_move(c, d, 0, size) if b else c for c, d, b in zip(consts, cd, cb)]
+    init = [_move(c, d, 0, size) for c, d in zip(init, idims)]
+    xs = [_move(x, d, 1, size) if b else x for x, d, b in zip(xs, xd, xb)]
+    out = scan_p.bind(
+        *extra,
+        *consts,
+        *init,
+        *xs,
+        jaxpr=new,
+        num_consts=len(extra) + num_consts,
+        num_carry=num_carry,
+        length=length,
+        checkpoints=checkpoints,
+        unroll=unroll,
+        save=save,
+    )
+    num_y = len(jaxpr.out_avals) - num_carry
+    out_dims = [0] * num_carry + [1] * num_y + ([1] * num_carry if save else [])
+    return out, out_dims
+
+
+batching.primitive_batchers[scan_p] = _scan_batch
+
+
+def _lin_batch(
+    args, dims, *, jaxpr, num_consts, num_carry, length, checkpoints, unroll
+):
+    size = _axis_size(args, dims)
+    num_in = len(jaxpr.in_avals)
+    primals, snaps, tangents = _lin_split(args, num_consts, num_carry, num_in)
+    pdims, sdims, tdims = _lin_split(dims, num_consts, num_carry, num_in)
+    in_avals = [_aval(p) for p in primals]
+    # A primal is batched if it or its tangent is.
+    tdim_full, it = [], iter(tdims)
+    for a in in_avals:
+        tdim_full.append(next(it) if _inexact(a) else None)
+    batched = [(pd is not None) or (td is not None) for pd, td in zip(pdims, tdim_full)]
+    cb, _, xb = _split(batched, num_consts, num_carry)
+    new, extra = _batch_body(jaxpr, num_consts, num_carry, size, cb, xb)
+    roles = (
+        ["c"] * num_consts
+        + ["i"] * num_carry
+        + ["x"] * (num_in - num_consts - num_carry)
+    )
+
+    def place(x, d, role, b):
+        if role == "i":
+            return _move(x, d, 0, size)
+        if not b:
+            return x
+        return _move(x, d, 0 if role == "c" else 1, size)
+
+    primals = [place(p, d, r, b) for p, d, r, b in zip(primals, pdims, roles, batched)]
+    tangent_roles = [(r, b) for r, b, a in zip(roles, batched, in_avals) if _inexact(a)]
+    tangents = [
+        place(t, d, r, b) for t, d, (r, b) in zip(tangents, tdims, tangent_roles)
+    ]
+    snaps = [_move(s, d, 1, size) for s, d in zip(snaps, sdims)]
+    extra_tangents = [jnp.zeros_like(e) for e in extra if _inexact(_aval(e))]
+    out = scan_lin_p.bind(
+        *extra,
+        *primals,
+        *snaps,
+        *extra_tangents,
+        *tangents,
+        jaxpr=new,
+        num_consts=len(extra) + num_consts,
+        num_carry=num_carry,
+        length=length,
+        checkpoints=checkpoints,
+        unroll=unroll,
+    )
+    out_avals = _out_avals(jaxpr, num_carry, length)
+    out_dims = [
+        0 if k < num_carry else 1 for k, a in enumerate(out_avals) if _inexact(a)
+    ]
+    return out, out_dims
+
+
+batching.primitive_batchers[scan_lin_p] = _lin_batch
+
+
+# ---------------------------------------------------------------------------
+# The public function.
+
+
+def _default_checkpoints(length: int) -> int:
+    # Equinox's default (checkpointed.py): the least c with length < (c+1)(c+2)/2,
+    # about sqrt(2 * length): O(sqrt(length)) memory, each step rerun at most about
+    # twice.
+    return int(np.floor(-1.5 + np.sqrt(2 * length + 0.25))) + 1
+
+
+def scan(
+    f: Callable,
+    init: Any,
+    xs: Any = None,
+    length: int | None = None,
+    *,
+    reverse: bool = False,
+    unroll: int | bool = 1,
+    kind: Literal["lax", "checkpointed"] = "checkpointed",
+    checkpoints: int | Literal["all"] | None = None,
+    buffers: Callable | None = None,
+) -> tuple[Any, Any]:
+    """Scan a function over leading array axes, as `jax.lax.scan`, with a
+    checkpointed reverse pass.
+
+    **Arguments:**
+
+    - `f`, `init`, `xs`, `length`, `reverse`, `unroll`: as in `jax.lax.scan`. `f` is
+      traced once.
+    - `kind`: `"lax"` is `jax.lax.scan` (reverse mode stores every step's residuals).
+      `"checkpointed"` (default) stores `checkpoints` carries in the forward pass and,
+      in reverse mode, reruns steps from them on the optimal offline (binomial)
+      schedule for this length and number of slots; forward mode (`jax.jvp`) works
+      too.
+    - `checkpoints`: how many carries to store for the reverse pass, the initial one
+      included: an int >= 1, `"all"` (every step: nothing is rerun), or `None`, the
+      least `c` with `length < (c+1)(c+2)/2` (about `sqrt(2 * length)`, as
+      `equinox.internal.scan`), for which every step is rerun at most twice.
+    - `buffers`: not supported yet; passing it raises.
+
+    **Returns:**
+
+    `(carry, ys)`, as `jax.lax.scan`.
+    """
+    if kind not in ("lax", "checkpointed"):
+        raise ValueError(f"`kind` must be 'lax' or 'checkpointed'; got {kind!r}.")
+    if buffers is not None:
+        raise NotImplementedError("esb.scan: `buffers=` is not implemented yet.")
+    if kind == "lax":
+        return lax.scan(f, init, xs, length, reverse=reverse, unroll=unroll)
+    init_flat, init_tree = jtu.tree_flatten(init)
+    xs_flat, xs_tree = jtu.tree_flatten(xs)
+    init_flat = [jnp.asarray(c) for c in init_flat]
+    xs_flat = [jnp.asarray(x) for x in xs_flat]
+    if any(x.ndim == 0 for x in xs_flat):
+        raise ValueError(
+            "esb.scan: every leaf of `xs` needs a leading axis to scan over."
+        )
+    lengths: set[int] = {int(x.shape[0]) for x in xs_flat}
+    if length is not None:
+        lengths.add(int(length))
+    if len(lengths) > 1:
+        raise ValueError(
+            f"esb.scan: `xs` leading axes and `length` must agree; got {sorted(lengths)}."
+        )
+    if not lengths:
+        raise ValueError("esb.scan: give `length` when `xs` is None.")
+    (length,) = lengths
+    if checkpoints is None:
+        slots = _default_checkpoints(length)
+    elif checkpoints == "all":
+        slots = max(length, 1)
+    elif (
+        isinstance(checkpoints, int)
+        and not isinstance(checkpoints, bool)
+        and checkpoints >= 1
+    ):
+        slots = checkpoints
+    else:
+        raise ValueError(
+            f"`checkpoints` must be None, 'all' or an int >= 1; got {checkpoints!r}."
+        )
+    slots = min(slots, max(length, 1))
+
+    carry_avals = [jcore.ShapedArray(c.shape, c.dtype) for c in init_flat]
+    x_avals = [jcore.ShapedArray(x.shape[1:], x.dtype) for x in xs_flat]
+    out_tree_box = []
+
+    def flat_body(*args):
+        carry, x = args[: len(carry_avals)], args[len(carry_avals) :]
+        carry = jtu.tree_unflatten(init_tree, carry)
+        x = jtu.tree_unflatten(xs_tree, x)
+        out = f(carry, x)
+        if not (isinstance(out, tuple) and len(out) == 2):
+            raise TypeError(
+                f"esb.scan: `f` must return a pair (carry, y); got {out!r}."
+            )
+        new_carry, y = out
+        c_flat, c_tree = jtu.tree_flatten(new_carry)
+        if c_tree != init_tree:
+            raise TypeError(
+                f"esb.scan: `f` must return a carry with the structure of `init`; "
+                f"expected {init_tree}, got {c_tree}."
+            )
+        c_flat = [jnp.asarray(c) for c in c_flat]
+        for c, a in zip(c_flat, carry_avals):
+            if c.shape != a.shape or c.dtype != a.dtype:
+                raise TypeError(
+                    "esb.scan: `f` must return a carry with the shapes and dtypes of "
+                    f"`init`; expected {a.str_short()}, got "
+                    f"{jcore.ShapedArray(c.shape, c.dtype).str_short()}."
+                )
+        y_flat, y_tree = jtu.tree_flatten(y)
+        out_tree_box.append(y_tree)
+        return [*c_flat, *[jnp.asarray(v) for v in y_flat]]
+
+    jaxpr, consts = _trace(flat_body, carry_avals + x_avals, "esb.scan")
+    (y_tree,) = out_tree_box
+    num_carry = len(init_flat)
+    if length == 0:
+        ys = [jnp.zeros((0, *a.shape), a.dtype) for a in jaxpr.out_avals[num_carry:]]
+        return jtu.tree_unflatten(init_tree, init_flat), jtu.tree_unflatten(y_tree, ys)
+    if reverse:
+        xs_flat = [jnp.flip(x, 0) for x in xs_flat]
+    out = scan_p.bind(
+        *consts,
+        *init_flat,
+        *xs_flat,
+        jaxpr=jaxpr,
+        num_consts=len(consts),
+        num_carry=num_carry,
+        length=length,
+        checkpoints=slots,
+        unroll=int(unroll)
+        if not isinstance(unroll, bool)
+        else (length if unroll else 1),
+        save=False,
+    )
+    carry, ys = out[:num_carry], out[num_carry:]
+    if reverse:
+        ys = [jnp.flip(y, 0) for y in ys]
+    return jtu.tree_unflatten(init_tree, carry), jtu.tree_unflatten(y_tree, ys)
