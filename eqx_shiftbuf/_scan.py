@@ -136,9 +136,8 @@ def _scan_impl(*args, jaxpr, num_consts, num_carry, length, checkpoints, unroll,
         jnp.zeros((sched.checkpoints, *jnp.shape(c)), jnp.result_type(c)) for c in init
     ]
 
-    def step(state, inp):
-        carry, snaps = state
-        k, x = inp
+    def step(state, x):
+        k, carry, snaps = state
         slot = slots[k]
         # Store the carry before step k when the schedule says so. A `cond` keeps
         # the other steps from touching the store.
@@ -149,14 +148,12 @@ def _scan_impl(*args, jaxpr, num_consts, num_carry, length, checkpoints, unroll,
             snaps,
         )
         carry, y = body(consts, carry, x)
-        return (carry, snaps), y
+        return (k + 1, carry, snaps), y
 
-    (carry, snaps), ys = lax.scan(
-        step,
-        (list(init), snaps0),
-        (jnp.arange(length, dtype=jnp.int32), list(xs)),
-        length=length,
-        unroll=unroll,
+    # The step number is carried, not scanned over: an `arange` input would be a
+    # length-sized temporary.
+    (_, carry, snaps), ys = lax.scan(
+        step, (jnp.int32(0), list(init), snaps0), list(xs), length=length, unroll=unroll
     )
     return list(carry) + list(ys) + list(snaps)
 

@@ -1,0 +1,422 @@
+"""`esb.scan`: `lax.scan` semantics, the binomial schedule, every transformation."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+
+import eqx_shiftbuf as esb
+from eqx_shiftbuf._schedule import binomial_steps, recomputed_steps, schedule
+
+
+RTOL = 1e-10
+
+
+# ---------------------------------------------------------------------------
+# The schedule, without JAX.
+
+
+@functools.cache
+def _dp_reverse(n: int, free: int) -> int:
+    """Fewest steps to reverse `n` steps, the first state in a slot, `free` more
+    slots, no free sweep: the dynamic programme that defines the optimum."""
+    if n == 1:
+        return 0
+    if free == 0:
+        return n * (n - 1) // 2
+    return min(
+        m + _dp_reverse(n - m, free - 1) + _dp_reverse(m, free) for m in range(1, n)
+    )
+
+
+@functools.cache
+def _dp_backward(n: int, free: int) -> int:
+    """The same after a forward sweep that may store any state for free."""
+    if n == 1:
+        return 0
+    if free == 0:
+        return n * (n - 1) // 2
+    return min(
+        _dp_backward(n - m, free - 1) + _dp_reverse(m, free) for m in range(1, n)
+    )
+
+
+@pytest.mark.parametrize("slots", [1, 2, 3, 4, 6])
+def test_binomial_formula_is_the_optimum(slots):
+    for n in range(1, 40):
+        assert binomial_steps(n, slots) == _dp_reverse(n, slots - 1)
+        assert recomputed_steps(n, slots) == _dp_backward(n, slots - 1)
+
+
+def _simulate(sched) -> list[int]:
+    """Run a schedule on states named by their step number; return the states each
+    reversal saw, asserting every load reads a slot holding a state."""
+    slots: dict[int, int] = {}
+    for k, s in enumerate(sched.primal_slot):
+        if s >= 0:
+            slots[int(s)] = k
+    seen = []
+    for j in range(sched.length):
+        state = slots[int(sched.restore[j])]
+        for g in range(sched.begin[j], sched.end[j]):
+            assert sched.advance_step[g] == state
+            state += 1
+            if sched.advance_slot[g] >= 0:
+                slots[int(sched.advance_slot[g])] = state
+        assert sched.reverse[j] == state
+        seen.append(state)
+    return seen
+
+
+@pytest.mark.parametrize(
+    "length,checkpoints",
+    [
+        (1, 1),
+        (2, 1),
+        (7, 1),
+        (7, 2),
+        (20, 3),
+        (50, 4),
+        (100, 14),
+        (300, 5),
+        (64, 64),
+        (9, 20),
+    ],
+)
+def test_schedule_reverses_every_step_in_order_with_the_optimal_count(
+    length, checkpoints
+):
+    sched = schedule(length, checkpoints)
+    assert _simulate(sched) == list(range(length - 1, -1, -1))
+    assert sched.recomputed == recomputed_steps(length, min(checkpoints, length))
+    assert int((sched.primal_slot >= 0).sum()) <= checkpoints
+
+
+# Equinox's recorded backward orders (tests/test_while_loop.py,
+# `test_backward_checkpointed`; cases from Stumm & Walther, Fig. 2.2) as
+# (checkpoints, steps, order). Where Stumm-Walther is optimal (steps <=
+# (c+1)(c+2)/2) our offline schedule reruns as many steps; ties between optimal
+# schedules are broken differently in some cases, so the counts are compared.
+EQUINOX_ORDERS = [
+    (9, 5, "4,3,2,1,0"),
+    (2, 5, "3,4,3,0,1,2,1,0"),
+    (4, 4, "3,2,1,0"),
+    (4, 5, "3,4,3,2,1,0"),
+    (4, 6, "5,2,3,4,3,2,1,0"),
+    (4, 7, "6,5,2,3,4,3,2,0,1,0"),
+    (4, 8, "7,6,5,0,1,2,3,4,3,2,1,0"),
+    (4, 9, "7,8,7,6,5,0,1,2,3,4,3,2,1,0"),
+    (4, 10, "9,6,7,8,7,6,5,0,1,2,3,4,3,2,1,0"),
+    (4, 11, "10,9,5,6,7,8,7,6,5,0,1,2,3,4,3,2,1,0"),
+    (4, 12, "10,11,10,9,5,6,7,8,7,6,5,0,1,2,3,4,3,2,1,0"),
+    (4, 13, "12,9,10,11,10,9,5,6,7,8,7,6,5,0,1,2,3,4,3,2,1,0"),
+    (4, 14, "12,13,12,9,10,11,10,9,5,6,7,8,7,6,5,0,1,2,3,4,3,2,1,0"),
+]
+
+
+@pytest.mark.parametrize("checkpoints,steps,order", EQUINOX_ORDERS)
+def test_recomputations_match_equinox_where_it_is_optimal(checkpoints, steps, order):
+    sched = schedule(steps, checkpoints)
+    equinox_recomputed = len(order.split(",")) - steps
+    assert sched.recomputed == equinox_recomputed
+    assert len(sched.backward_order()) == len(order.split(","))
+
+
+def test_equinox_beyond_its_optimal_range_reruns_more():
+    # (3, 11): Equinox switches to Wang-Moin and reruns 11 steps; 10 is optimal.
+    order = "10,4,5,6,7,8,9,7,8,7,4,5,6,5,4,0,1,2,3,2,1,0"
+    assert (
+        schedule(11, 3).recomputed == _dp_backward(11, 2) < len(order.split(",")) - 11
+    )
+
+
+# ---------------------------------------------------------------------------
+# Semantics: the same results as lax.scan.
+
+
+def _problem(length, seed=0):
+    rng = np.random.default_rng(seed)
+    w = jnp.asarray(rng.normal(size=(3, 3)) * 0.5)
+    init = {"v": jnp.asarray(rng.normal(size=3)), "n": jnp.int32(0)}
+    xs = (
+        jnp.asarray(rng.normal(size=(length, 3))),
+        jnp.arange(length, dtype=jnp.int32),
+    )
+
+    def body(w, carry, x):
+        xv, xi = x
+        v = jnp.tanh(w @ carry["v"] + xv) * (1 + 0.01 * xi)
+        return {"v": v, "n": carry["n"] + xi}, (v.sum() * xv[0], carry["n"])
+
+    def loss(w, init, xs, scan):
+        carry, (ya, yb) = scan(functools.partial(body, w), init, xs)
+        return (carry["v"] ** 2).sum() + jnp.sin(ya).sum() + 0.1 * carry["n"] + yb.sum()
+
+    return loss, w, init, xs
+
+
+SCANS = {
+    "lax": lambda f, c, x: esb.scan(f, c, x, kind="lax"),
+    "ckpt-1": lambda f, c, x: esb.scan(f, c, x, checkpoints=1),
+    "ckpt-3": lambda f, c, x: esb.scan(f, c, x, checkpoints=3),
+    "ckpt-default": lambda f, c, x: esb.scan(f, c, x),
+    "ckpt-all": lambda f, c, x: esb.scan(f, c, x, checkpoints="all"),
+    "ckpt-reverse-unroll": lambda f, c, x: esb.scan(
+        f, c, x, checkpoints=3, reverse=True, unroll=2
+    ),
+}
+
+
+def _reference(name):
+    if name == "ckpt-reverse-unroll":
+        return lambda f, c, x: lax.scan(f, c, x, reverse=True)
+    return lax.scan
+
+
+def _close(a, b):
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=RTOL, atol=1e-12)
+
+
+@pytest.mark.parametrize("name", SCANS)
+@pytest.mark.parametrize("length", [1, 2, 13])
+def test_values_and_gradients_equal_lax_scan(name, length):
+    loss, w, init, xs = _problem(length)
+    ref = _reference(name)
+    _close(loss(w, init, xs, SCANS[name]), loss(w, init, xs, ref))
+    grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2), allow_int=True), static_argnums=3)
+    got, want = grad(w, init, xs, SCANS[name]), grad(w, init, xs, ref)
+    _close(got[0], want[0])
+    _close(got[1]["v"], want[1]["v"])
+    _close(got[2][0], want[2][0])
+
+
+@pytest.mark.parametrize("name", SCANS)
+def test_jvp_equals_lax_scan(name):
+    loss, w, init, xs = _problem(9)
+    ref = _reference(name)
+    tw = jnp.ones_like(w)
+    got = jax.jvp(lambda w: loss(w, init, xs, SCANS[name]), (w,), (tw,))
+    want = jax.jvp(lambda w: loss(w, init, xs, ref), (w,), (tw,))
+    _close(got, want)
+
+
+@pytest.mark.parametrize("name", ["ckpt-3", "ckpt-reverse-unroll"])
+def test_vmap_of_grad_and_grad_of_vmap_and_jacrev(name):
+    loss, w, init, xs = _problem(8)
+    ref = _reference(name)
+    ws = jnp.stack([w, 2 * w, -w])
+    vg = lambda s: jax.vmap(lambda w: jax.grad(loss)(w, init, xs, s))(ws)
+    gv = lambda s: jax.grad(
+        lambda ws: jax.vmap(lambda w: loss(w, init, xs, s))(ws).sum()
+    )(ws)
+
+    def final(w, s):
+        carry, ys = s(lambda c, x: (jnp.tanh(w @ c + x[0]), c), init["v"], xs)
+        return carry, ys
+
+    jr = lambda s: jax.jacrev(final)(w, s)
+    for transform in (vg, gv, jr):
+        _close(transform(SCANS[name]), transform(ref))
+
+
+def test_vmap_over_xs_only_and_over_the_carry_only():
+    loss, w, init, xs = _problem(6)
+    xss = (jnp.stack([xs[0], 2 * xs[0]]), xs[1])
+    inits = {"v": jnp.stack([init["v"], -init["v"]]), "n": init["n"]}
+    for in_axes, args in [
+        ((None, None, (0, None)), (w, init, xss)),
+        ((None, {"v": 0, "n": None}, None), (w, inits, xs)),
+    ]:
+        got = jax.vmap(jax.grad(lambda *a: loss(*a, SCANS["ckpt-3"])), in_axes)(*args)
+        want = jax.vmap(jax.grad(lambda *a: loss(*a, lax.scan)), in_axes)(*args)
+        _close(got, want)
+
+
+def test_length_zero_and_xs_none():
+    body = lambda c, x: (c + x, 2 * c)
+    carry, ys = esb.scan(body, jnp.float64(1.0), jnp.zeros((0,)))
+    assert float(carry) == 1.0 and ys.shape == (0,)
+    carry, ys = esb.scan(lambda c, _: (c + 1.0, c), jnp.float64(0.0), None, length=4)
+    _close(
+        (carry, ys),
+        lax.scan(lambda c, _: (c + 1.0, c), jnp.float64(0.0), None, length=4),
+    )
+    g = jax.grad(lambda c: esb.scan(body, c, jnp.zeros((0,)))[0])(2.0)
+    assert float(g) == 1.0
+
+
+def test_body_is_traced_once():
+    traces = []
+
+    def body(c, x):
+        traces.append(None)
+        return jnp.sin(c * x), c
+
+    xs = jnp.linspace(0, 1, 10)
+    for transform in (
+        lambda: esb.scan(body, 1.0, xs),
+        lambda: jax.grad(lambda c: esb.scan(body, c, xs)[0])(1.0),
+        lambda: jax.jvp(lambda c: esb.scan(body, c, xs)[0], (1.0,), (1.0,)),
+        lambda: jax.vmap(jax.grad(lambda c: esb.scan(body, c, xs)[0]))(jnp.ones(3)),
+    ):
+        traces.clear()
+        transform()
+        assert len(traces) == 1
+
+
+@pytest.mark.parametrize(
+    "length,checkpoints", [(20, 3), (50, 5), (40, None), (10, "all")]
+)
+def test_backward_reruns_exactly_the_scheduled_steps(length, checkpoints):
+    calls = []
+
+    def loss(w, c0, xs):
+        def body(c, x):
+            jax.debug.callback(lambda: calls.append(None))
+            return jnp.tanh(w * c + x), c.sum()
+
+        c, ys = esb.scan(body, c0, xs, checkpoints=checkpoints)
+        return c.sum() + ys.sum()
+
+    grad = jax.jit(jax.grad(loss))
+    calls.clear()
+    jax.block_until_ready(grad(0.5, jnp.ones(4), jnp.linspace(0, 1, length)))
+    jax.effects_barrier()
+    slots = {None: esb._scan._default_checkpoints(length), "all": length}.get(
+        checkpoints, checkpoints
+    )
+    # The forward pass, the reruns, and one evaluation per reversed step.
+    assert len(calls) == 2 * length + recomputed_steps(length, slots)
+
+
+def test_nested_scans():
+    def loss(w, xs):
+        def outer(c, x):
+            inner, _ = esb.scan(
+                lambda d, z: (jnp.sin(w * d + z), None), c, x, checkpoints=2
+            )
+            return inner, inner.sum()
+
+        c, ys = esb.scan(outer, jnp.ones(2), xs, checkpoints=3)
+        return c.sum() + ys.sum()
+
+    def ref(w, xs):
+        def outer(c, x):
+            inner, _ = lax.scan(lambda d, z: (jnp.sin(w * d + z), None), c, x)
+            return inner, inner.sum()
+
+        c, ys = lax.scan(outer, jnp.ones(2), xs)
+        return c.sum() + ys.sum()
+
+    xs = jnp.asarray(np.random.default_rng(3).normal(size=(7, 5, 2)))
+    _close(
+        jax.value_and_grad(loss, argnums=(0, 1))(0.7, xs),
+        jax.value_and_grad(ref, argnums=(0, 1))(0.7, xs),
+    )
+
+
+# ---------------------------------------------------------------------------
+# A ShiftBuffer carry.
+
+
+def _buffer_loss(scan, read: bool):
+    def loss(p, init, xs, rows, cols):
+        def body(buf, inp):
+            x, r, c = inp
+            buf = buf.insert((r, c), jnp.sin(p * x))
+            if read:
+                buf, out = buf.pop((r, (c + 3) % buf.capacity))
+                return buf, jnp.cos(out)
+            return buf.delete((r, (c + 3) % buf.capacity)), x
+
+        buf, ys = scan(body, esb.ShiftBuffer.from_array(init), (xs, rows, cols))
+        return (buf.array**2).sum() + (ys**3).sum()
+
+    return loss
+
+
+def _buffer_args(length=40, shape=(6, 9)):
+    rng = np.random.default_rng(5)
+    return (
+        0.8,
+        jnp.asarray(rng.normal(size=shape)),
+        jnp.asarray(rng.normal(size=length)),
+        jnp.asarray(rng.integers(0, shape[0], length), jnp.int32),
+        jnp.asarray(rng.integers(0, shape[1], length), jnp.int32),
+    )
+
+
+@pytest.mark.parametrize("read", [False, True])
+@pytest.mark.parametrize("name", ["lax", "ckpt-3", "ckpt-default", "ckpt-all"])
+def test_shift_buffer_carry_gradients_equal_plain_autodiff(name, read):
+    args = _buffer_args()
+    got = jax.jit(
+        jax.value_and_grad(_buffer_loss(SCANS[name], read), argnums=(0, 1, 2))
+    )(*args)
+    want = jax.jit(jax.value_and_grad(_buffer_loss(lax.scan, read), argnums=(0, 1, 2)))(
+        *args
+    )
+    _close(got, want)
+
+
+@pytest.mark.parametrize("read", [False, True])
+@pytest.mark.parametrize("name", ["ckpt-3", "ckpt-default", "ckpt-all"])
+def test_shift_buffer_carry_has_no_copies_in_the_gradient(name, read):
+    args = _buffer_args(length=41, shape=(64, 32))
+    grad = jax.jit(jax.grad(_buffer_loss(SCANS[name], read), argnums=(0, 1)))
+    assert esb.find_loop_copies(grad, *args) == []
+
+
+# ---------------------------------------------------------------------------
+# Memory.
+
+
+def _temp_bytes(length, checkpoints, size=4096):
+    def loss(w, c0):
+        c, _ = esb.scan(
+            lambda c, _: (jnp.sin(w * c) + 0.1, None),
+            c0,
+            None,
+            length=length,
+            checkpoints=checkpoints,
+        )
+        return c.sum()
+
+    compiled = jax.jit(jax.grad(loss)).lower(1.0, jnp.ones(size, jnp.float32)).compile()
+    return compiled.memory_analysis().temp_size_in_bytes
+
+
+def test_temp_memory_grows_with_checkpoints_not_length():
+    carry = 4096 * 4
+    few, many = _temp_bytes(4096, 8), _temp_bytes(4096, 64)
+    # 56 more stored carries cost 56 carries (and no more than a few beyond).
+    assert 56 * carry <= many - few <= 60 * carry
+    assert _temp_bytes(1024, 8) == few
+    # What lax.scan stores instead: a carry per step.
+    assert few < 32 * carry < 4096 * carry
+
+
+# ---------------------------------------------------------------------------
+# Errors.
+
+
+def test_bad_arguments_raise_clear_errors():
+    body = lambda c, x: (c + x, c)
+    with pytest.raises(ValueError, match="`kind` must be 'lax' or 'checkpointed'"):
+        esb.scan(body, 0.0, jnp.zeros(3), kind="bounded")  # pyright: ignore
+    with pytest.raises(
+        ValueError, match="`checkpoints` must be None, 'all' or an int >= 1"
+    ):
+        esb.scan(body, 0.0, jnp.zeros(3), checkpoints=0)
+    with pytest.raises(ValueError, match="must agree"):
+        esb.scan(body, 0.0, jnp.zeros(3), length=4)
+    with pytest.raises(TypeError, match="shapes and dtypes of `init`"):
+        esb.scan(lambda c, x: (jnp.stack([c, c]), c), jnp.float64(0.0), jnp.zeros(3))
+    with pytest.raises(ValueError, match="give `length`"):
+        esb.scan(body, 0.0, None)
