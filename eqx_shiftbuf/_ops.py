@@ -7,7 +7,7 @@ time, through `equinox.error_if`), then binds one primitive from `_primitives`.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, NamedTuple, TYPE_CHECKING, Union
+from typing import Any, NamedTuple, TYPE_CHECKING, TypeGuard, Union
 
 import equinox as eqx
 import jax
@@ -22,6 +22,7 @@ from . import _primitives as P, _tokens
 
 if TYPE_CHECKING:
     from ._buffer import ShiftBuffer
+    from ._writeonce import WriteOnceBuffer
 
 try:  # Equinox's loop buffers; private, so tolerate their absence.
     from equinox.internal._loop.common import _Buffer as _EqxBuffer
@@ -245,6 +246,12 @@ def ShiftBufferType():
 # Dispatch on the kind of buffer.
 
 
+def _is_write_once(x: Any) -> TypeGuard[WriteOnceBuffer]:
+    from ._writeonce import WriteOnceBuffer
+
+    return isinstance(x, WriteOnceBuffer)
+
+
 def _unwrap_eqx(buf: Any) -> jax.Array:
     # `_Buffer.__getitem__` is a plain read of the underlying (possibly nested) array.
     return buf[...]
@@ -356,6 +363,8 @@ def dynamic_slice(
 
     The window, an array of shape `slice_sizes`.
     """
+    if _is_write_once(x):
+        return x.dynamic_slice(start_indices, slice_sizes, mode=mode)
     storage, _, _ = _storage_and_axis(x, None, None)
     sizes = check_sizes(slice_sizes, storage.shape)
     starts = check_starts(start_indices, storage.shape, sizes, "start_indices", mode)
@@ -393,6 +402,8 @@ def dynamic_update_slice(
 
     The updated buffer, of the same kind as `x`.
     """
+    if _is_write_once(x):
+        return x.dynamic_update_slice(update, start_indices, mode=mode)
     storage, _, _ = _storage_and_axis(x, None, None)
     upd = jnp.asarray(update)
     if upd.ndim != storage.ndim:

@@ -23,6 +23,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 import jax.tree_util as jtu
@@ -34,6 +35,7 @@ from jax.extend.core import ClosedJaxpr, jaxpr_as_fun, Primitive
 from jax.interpreters import ad, batching, mlir
 
 from ._schedule import schedule
+from ._writeonce import BUFFER, NORMAL, wrap, WriteOnceBuffer
 
 
 # ---------------------------------------------------------------------------
@@ -71,6 +73,19 @@ def _float0_zeros(aval: Any) -> np.ndarray:
 # ---------------------------------------------------------------------------
 # Parameters shared by both primitives. `jaxpr`: (*consts, *carry, *x) ->
 # (*carry, *y). The operands of `scan_p` are (*consts, *init, *xs).
+
+
+def _pick(seq: Sequence, mask: Sequence[bool]) -> list:
+    return [s for s, m in zip(seq, mask) if m]
+
+
+def _fill(full: Sequence, mask: Sequence[bool], parts: Sequence) -> list:
+    it = iter(parts)
+    return [next(it) if m else f for f, m in zip(full, mask)]
+
+
+def _normal(roles: Sequence[int]) -> list[bool]:
+    return [r == NORMAL for r in roles]
 
 
 def _split(seq: Sequence, *sizes: int) -> list[list]:
@@ -117,7 +132,9 @@ scan_p = Primitive("esb_scan")
 scan_p.multiple_results = True
 
 
-def _scan_impl(*args, jaxpr, num_consts, num_carry, length, checkpoints, unroll, save):
+def _scan_impl(
+    *args, jaxpr, num_consts, num_carry, length, checkpoints, unroll, save, roles
+):
     consts, init, xs = _split(args, num_consts, num_carry)
     if not save:
         return _primal_scan(
@@ -132,8 +149,10 @@ def _scan_impl(*args, jaxpr, num_consts, num_carry, length, checkpoints, unroll,
     body = _body(jaxpr, num_carry)
     sched = schedule(length, checkpoints)
     slots = jnp.asarray(sched.primal_slot)
+    normal = [r == NORMAL for r in roles]
     snaps0 = [
-        jnp.zeros((sched.checkpoints, *jnp.shape(c)), jnp.result_type(c)) for c in init
+        jnp.zeros((sched.checkpoints, *jnp.shape(c)), jnp.result_type(c))
+        for c in _pick(init, normal)
     ]
 
     def step(state, x):
@@ -143,7 +162,7 @@ def _scan_impl(*args, jaxpr, num_consts, num_carry, length, checkpoints, unroll,
         # the other steps from touching the store.
         snaps = lax.cond(
             slot >= 0,
-            lambda s: [si.at[slot].set(ci) for si, ci in zip(s, carry)],
+            lambda s: [si.at[slot].set(ci) for si, ci in zip(s, _pick(carry, normal))],
             lambda s: s,
             snaps,
         )
@@ -159,12 +178,12 @@ def _scan_impl(*args, jaxpr, num_consts, num_carry, length, checkpoints, unroll,
 
 
 def _scan_abstract_eval(
-    *args, jaxpr, num_consts, num_carry, length, checkpoints, unroll, save
+    *args, jaxpr, num_consts, num_carry, length, checkpoints, unroll, save, roles
 ):
     out = _out_avals(jaxpr, num_carry, length)
     if save:
         slots = min(checkpoints, max(length, 1))
-        init = args[num_consts : num_consts + num_carry]
+        init = _pick(args[num_consts : num_consts + num_carry], _normal(roles))
         out += [_stacked(slots, a) for a in init]
     return out, jaxpr.effects
 
@@ -185,6 +204,7 @@ def _scan_jvp(
     checkpoints,
     unroll,
     save,
+    roles,
 ):
     if save:
         raise NotImplementedError(
@@ -198,6 +218,7 @@ def _scan_jvp(
         length=length,
         checkpoints=checkpoints,
         unroll=unroll,
+        roles=roles,
     )
     out_avals = _out_avals(jaxpr, num_carry, length)
     if all(type(t) is ad.Zero for t in tangents):
@@ -206,11 +227,13 @@ def _scan_jvp(
     outs = scan_p.bind(*primals, save=True, **params)
     n_out = len(out_avals)
     primal_out, snaps = outs[:n_out], outs[n_out:]
+    # Buffers are not stored: rerun steps see their final values.
+    finals = [c for c, r in zip(primal_out[:num_carry], roles) if r == BUFFER]
     in_avals = [_aval(p) for p in primals]
     tangents_in = [
         ad.instantiate_zeros(t) for t, a in zip(tangents, in_avals) if _inexact(a)
     ]
-    tangent_out = scan_lin_p.bind(*primals, *snaps, *tangents_in, **params)
+    tangent_out = scan_lin_p.bind(*primals, *snaps, *finals, *tangents_in, **params)
     tangent_out = iter(tangent_out)
     out_tangents = [
         next(tangent_out) if _inexact(a) else ad.Zero(a.to_tangent_aval())
@@ -231,10 +254,12 @@ scan_lin_p = Primitive("esb_scan_lin")
 scan_lin_p.multiple_results = True
 
 
-def _lin_split(args, num_consts, num_carry, num_in):
-    primals, rest = args[:num_in], args[num_in:]
-    snaps, tangents = rest[:num_carry], rest[num_carry:]
-    return list(primals), list(snaps), list(tangents)
+def _lin_split(args, num_in, roles):
+    """(primals, stored carries, final buffers, tangents) of `scan_lin_p`."""
+    num_snaps = sum(r == NORMAL for r in roles)
+    num_finals = sum(r == BUFFER for r in roles)
+    primals, snaps, finals, tangents = _split(args, num_in, num_snaps, num_finals)
+    return primals, snaps, finals, tangents
 
 
 def _full_tangents(primals, tangents):
@@ -244,9 +269,9 @@ def _full_tangents(primals, tangents):
     ]
 
 
-def _lin_impl(*args, jaxpr, num_consts, num_carry, length, checkpoints, unroll):
+def _lin_impl(*args, jaxpr, num_consts, num_carry, length, checkpoints, unroll, roles):
     num_in = len(jaxpr.in_avals)
-    primals, _, tangents = _lin_split(args, num_consts, num_carry, num_in)
+    primals, _, _, tangents = _lin_split(args, num_in, roles)
     tfull = _full_tangents(primals, tangents)
     consts, init, xs = _split(primals, num_consts, num_carry)
     tconsts, tinit, txs = _split(tfull, num_consts, num_carry)
@@ -269,7 +294,7 @@ def _lin_impl(*args, jaxpr, num_consts, num_carry, length, checkpoints, unroll):
 
 
 def _lin_abstract_eval(
-    *args, jaxpr, num_consts, num_carry, length, checkpoints, unroll
+    *args, jaxpr, num_consts, num_carry, length, checkpoints, unroll, roles
 ):
     out_avals = _out_avals(jaxpr, num_carry, length)
     return [a for a in out_avals if _inexact(a)], jaxpr.effects
@@ -291,11 +316,11 @@ ad.primitive_jvps[scan_lin_p] = _lin_jvp
 
 
 def _lin_transpose(
-    cts, *args, jaxpr, num_consts, num_carry, length, checkpoints, unroll
+    cts, *args, jaxpr, num_consts, num_carry, length, checkpoints, unroll, roles
 ):
     num_in = len(jaxpr.in_avals)
-    primals, snaps, tangents = _lin_split(args, num_consts, num_carry, num_in)
-    assert not any(ad.is_undefined_primal(x) for x in primals + snaps)
+    primals, snaps, finals, tangents = _lin_split(args, num_in, roles)
+    assert not any(ad.is_undefined_primal(x) for x in primals + snaps + finals)
     consts, _, xs = _split(primals, num_consts, num_carry)
     in_avals = [_aval(p) for p in primals]
     # Which inputs need a cotangent: inexact, with an undefined (linear) tangent.
@@ -321,12 +346,14 @@ def _lin_transpose(
         consts=consts,
         xs=xs,
         snaps=snaps,
+        finals=finals,
+        roles=roles,
         ct_carry=ct_carry_out,
         ct_ys=ct_ys,
         need_consts=need_consts,
         need_xs=need_xs,
     )
-    result = [None] * (len(primals) + len(snaps))
+    result = [None] * (len(primals) + len(snaps) + len(finals))
     for ct, need, a in zip(ct_consts + ct_init + ct_xs, needed, in_avals):
         if _inexact(a):
             result.append(ct if need else None)
@@ -345,6 +372,8 @@ def _reverse_pass(
     consts,
     xs,
     snaps,
+    finals,
+    roles,
     ct_carry,
     ct_ys,
     need_consts,
@@ -372,34 +401,50 @@ def _reverse_pass(
     def x_at(i):
         return [lax.dynamic_index_in_dim(x, i, keepdims=False) for x in xs]
 
-    def pick(seq, mask):
-        return [s for s, m in zip(seq, mask) if m]
+    pick, fill = _pick, _fill
+    normal = _normal(roles)
 
-    def fill(full, mask, parts):
-        it = iter(parts)
-        return [next(it) if m else f for f, m in zip(full, mask)]
+    def with_finals(stored):
+        # A rerun step sees the stored leaves, the buffers' final values, and the
+        # checked mode switched off (the final buffers are all written).
+        it_s, it_f = iter(stored), iter(finals)
+        out = []
+        for r, a in zip(roles, carry_avals):
+            if r == NORMAL:
+                out.append(next(it_s))
+            elif r == BUFFER:
+                out.append(next(it_f))
+            else:
+                out.append(jnp.zeros(a.shape, a.dtype))
+        return out
 
     def advance(state):
         assert adv_step is not None and adv_slot is not None
-        g, carry, snaps = state
+        g, stored, snaps = state
         k = adv_step[g]
-        carry, _ = body(consts, carry, x_at(k))
+        carry, _ = body(consts, with_finals(stored), x_at(k))
+        # What the step wrote into buffers is dropped (and its writes are dead
+        # code for XLA).
+        stored = pick(carry, normal)
         slot = adv_slot[g]
         snaps = lax.cond(
             slot >= 0,
-            lambda s: [si.at[slot].set(ci) for si, ci in zip(s, carry)],
+            lambda s: [si.at[slot].set(ci) for si, ci in zip(s, stored)],
             lambda s: s,
             snaps,
         )
-        return g + 1, carry, snaps
+        return g + 1, stored, snaps
 
     def reversal(j, state):
         snaps, ct_c, ct_k, ct_x = state
-        carry = [lax.dynamic_index_in_dim(s, restore[j], keepdims=False) for s in snaps]
+        stored = [
+            lax.dynamic_index_in_dim(s, restore[j], keepdims=False) for s in snaps
+        ]
         if adv_step is not None:
-            _, carry, snaps = lax.while_loop(
-                lambda s: s[0] < end[j], advance, (begin[j], carry, snaps)
+            _, stored, snaps = lax.while_loop(
+                lambda s: s[0] < end[j], advance, (begin[j], stored, snaps)
             )
+        carry = with_finals(stored)
         i = reverse[j]
         x = x_at(i)
 
@@ -479,7 +524,17 @@ def _axis_size(args, dims):
 
 
 def _scan_batch(
-    args, dims, *, jaxpr, num_consts, num_carry, length, checkpoints, unroll, save
+    args,
+    dims,
+    *,
+    jaxpr,
+    num_consts,
+    num_carry,
+    length,
+    checkpoints,
+    unroll,
+    save,
+    roles,
 ):
     size = _axis_size(args, dims)
     consts, init, xs = _split(args, num_consts, num_carry)
@@ -502,9 +557,11 @@ def _scan_batch(
         checkpoints=checkpoints,
         unroll=unroll,
         save=save,
+        roles=roles,
     )
     num_y = len(jaxpr.out_avals) - num_carry
-    out_dims = [0] * num_carry + [1] * num_y + ([1] * num_carry if save else [])
+    num_snaps = sum(_normal(roles)) if save else 0
+    out_dims = [0] * num_carry + [1] * num_y + [1] * num_snaps
     return out, out_dims
 
 
@@ -512,12 +569,12 @@ batching.primitive_batchers[scan_p] = _scan_batch
 
 
 def _lin_batch(
-    args, dims, *, jaxpr, num_consts, num_carry, length, checkpoints, unroll
+    args, dims, *, jaxpr, num_consts, num_carry, length, checkpoints, unroll, roles
 ):
     size = _axis_size(args, dims)
     num_in = len(jaxpr.in_avals)
-    primals, snaps, tangents = _lin_split(args, num_consts, num_carry, num_in)
-    pdims, sdims, tdims = _lin_split(dims, num_consts, num_carry, num_in)
+    primals, snaps, finals, tangents = _lin_split(args, num_in, roles)
+    pdims, sdims, fdims, tdims = _lin_split(dims, num_in, roles)
     in_avals = [_aval(p) for p in primals]
     # A primal is batched if it or its tangent is.
     tdim_full, it = [], iter(tdims)
@@ -526,7 +583,7 @@ def _lin_batch(
     batched = [(pd is not None) or (td is not None) for pd, td in zip(pdims, tdim_full)]
     cb, _, xb = _split(batched, num_consts, num_carry)
     new, extra = _batch_body(jaxpr, num_consts, num_carry, size, cb, xb)
-    roles = (
+    kinds = (
         ["c"] * num_consts
         + ["i"] * num_carry
         + ["x"] * (num_in - num_consts - num_carry)
@@ -539,17 +596,19 @@ def _lin_batch(
             return x
         return _move(x, d, 0 if role == "c" else 1, size)
 
-    primals = [place(p, d, r, b) for p, d, r, b in zip(primals, pdims, roles, batched)]
-    tangent_roles = [(r, b) for r, b, a in zip(roles, batched, in_avals) if _inexact(a)]
+    primals = [place(p, d, r, b) for p, d, r, b in zip(primals, pdims, kinds, batched)]
+    tangent_roles = [(r, b) for r, b, a in zip(kinds, batched, in_avals) if _inexact(a)]
     tangents = [
         place(t, d, r, b) for t, d, (r, b) in zip(tangents, tdims, tangent_roles)
     ]
     snaps = [_move(s, d, 1, size) for s, d in zip(snaps, sdims)]
+    finals = [_move(f, d, 0, size) for f, d in zip(finals, fdims)]
     extra_tangents = [jnp.zeros_like(e) for e in extra if _inexact(_aval(e))]
     out = scan_lin_p.bind(
         *extra,
         *primals,
         *snaps,
+        *finals,
         *extra_tangents,
         *tangents,
         jaxpr=new,
@@ -558,6 +617,7 @@ def _lin_batch(
         length=length,
         checkpoints=checkpoints,
         unroll=unroll,
+        roles=roles,
     )
     out_avals = _out_avals(jaxpr, num_carry, length)
     out_dims = [
@@ -591,6 +651,7 @@ def scan(
     kind: Literal["lax", "checkpointed"] = "checkpointed",
     checkpoints: int | Literal["all"] | None = None,
     buffers: Callable | None = None,
+    check: bool = False,
 ) -> tuple[Any, Any]:
     """Scan a function over leading array axes, as `jax.lax.scan`, with a
     checkpointed reverse pass.
@@ -608,7 +669,18 @@ def scan(
       included: an int >= 1, `"all"` (every step: nothing is rerun), or `None`, the
       least `c` with `length < (c+1)(c+2)/2` (about `sqrt(2 * length)`, as
       `equinox.internal.scan`), for which every step is rerun at most twice.
-    - `buffers`: not supported yet; passing it raises.
+    - `buffers`: as in `equinox.internal.scan`: a function from `init` to the array
+      leaves (one, or a sequence) of the carry that are *write-once* buffers: each
+      position written at most once, and read only after it is written (or never
+      written). The body sees each as a
+      [`eqx_shiftbuf.WriteOnceBuffer`][] (`buf[i]`, `buf.at[i].set(v, pred=p)`,
+      `esb.dynamic_slice`, `esb.dynamic_update_slice`), under both kinds. With
+      `kind="checkpointed"` they are not stored at checkpoints: rerun steps read
+      their final values. Writes and reads are in place; the gradient with respect
+      to the initial contents is exact (zero where written).
+    - `check`: with `buffers`, carry a written-mask per buffer and raise (through
+      `equinox.error_if`) on a second write to a position or a read of a position
+      not yet written. Off by default: it costs a mask the size of each buffer.
 
     **Returns:**
 
@@ -617,10 +689,16 @@ def scan(
     if kind not in ("lax", "checkpointed"):
         raise ValueError(f"`kind` must be 'lax' or 'checkpointed'; got {kind!r}.")
     if buffers is not None:
-        raise NotImplementedError("esb.scan: `buffers=` is not implemented yet.")
+        init = _wrap_buffers(init, buffers, check)
     if kind == "lax":
-        return lax.scan(f, init, xs, length, reverse=reverse, unroll=unroll)
+        carry, ys = lax.scan(f, init, xs, length, reverse=reverse, unroll=unroll)
+        return _unwrap_buffers(carry), ys
+    top, _ = jtu.tree_flatten(init, is_leaf=_is_wob)
+    roles = []
+    for node in top:
+        roles.extend(node._roles() if _is_wob(node) else [NORMAL])
     init_flat, init_tree = jtu.tree_flatten(init)
+    assert len(roles) == len(init_flat)
     xs_flat, xs_tree = jtu.tree_flatten(xs)
     init_flat = [jnp.asarray(c) for c in init_flat]
     xs_flat = [jnp.asarray(x) for x in xs_flat]
@@ -691,7 +769,8 @@ def scan(
     num_carry = len(init_flat)
     if length == 0:
         ys = [jnp.zeros((0, *a.shape), a.dtype) for a in jaxpr.out_avals[num_carry:]]
-        return jtu.tree_unflatten(init_tree, init_flat), jtu.tree_unflatten(y_tree, ys)
+        carry = jtu.tree_unflatten(init_tree, init_flat)
+        return _unwrap_buffers(carry), jtu.tree_unflatten(y_tree, ys)
     if reverse:
         xs_flat = [jnp.flip(x, 0) for x in xs_flat]
     out = scan_p.bind(
@@ -707,8 +786,29 @@ def scan(
         if not isinstance(unroll, bool)
         else (length if unroll else 1),
         save=False,
+        roles=tuple(roles),
     )
     carry, ys = out[:num_carry], out[num_carry:]
     if reverse:
         ys = [jnp.flip(y, 0) for y in ys]
-    return jtu.tree_unflatten(init_tree, carry), jtu.tree_unflatten(y_tree, ys)
+    carry = jtu.tree_unflatten(init_tree, carry)
+    return _unwrap_buffers(carry), jtu.tree_unflatten(y_tree, ys)
+
+
+def _is_wob(x: Any) -> bool:
+    return isinstance(x, WriteOnceBuffer)
+
+
+def _wrap_buffers(init: Any, buffers: Callable, check: bool) -> Any:
+    """`init` with the leaves `buffers(init)` names wrapped as write-once buffers."""
+    nodes = buffers(init)
+    # One node or a sequence of nodes, told apart as Equinox does: by identity with
+    # the value `buffers` returned (equinox/internal/_loop/loop.py).
+    is_leaf = lambda node: node is nodes
+    return eqx.tree_at(
+        buffers, init, replace_fn=lambda x: wrap(x, check), is_leaf=is_leaf
+    )
+
+
+def _unwrap_buffers(carry: Any) -> Any:
+    return jtu.tree_map(lambda x: x.array if _is_wob(x) else x, carry, is_leaf=_is_wob)
