@@ -14,6 +14,7 @@ from ._ops import (
     pop as pop,
 )
 from ._scan import scan as scan
+from ._writeonce import WriteOnceBuffer as WriteOnceBuffer
 
 
 __version__ = "0.1.0"

@@ -678,9 +678,10 @@ def scan(
       `kind="checkpointed"` they are not stored at checkpoints: rerun steps read
       their final values. Writes and reads are in place; the gradient with respect
       to the initial contents is exact (zero where written).
-    - `check`: with `buffers`, carry a written-mask per buffer and raise (through
-      `equinox.error_if`) on a second write to a position or a read of a position
-      not yet written. Off by default: it costs a mask the size of each buffer.
+    - `check`: with `buffers`, carry a mask per buffer and raise (through
+      `equinox.error_if`) on a second write to a position, or on a write to a
+      position whose initial contents were read (a read before write). Off by
+      default: it costs an int8 mask the size of each buffer.
 
     **Returns:**
 

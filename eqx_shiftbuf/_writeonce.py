@@ -18,6 +18,8 @@ NORMAL = 0  # stored at checkpoints, reloaded when steps are rerun
 BUFFER = 1  # never stored: a rerun step sees the buffer's final value
 CHECKING = 2  # the checked mode's switch: off while steps are rerun
 
+_UNTOUCHED, _READ, _WRITTEN = 0, 1, 2
+
 
 def _index_tuple(index: Any, ndim: int) -> tuple:
     if not isinstance(index, tuple):
@@ -47,8 +49,9 @@ class WriteOnceBuffer(eqx.Module):
     `equinox.internal.scan` does. Unlike Equinox, writes and reads are the
     in-place primitives of this library, so the gradient with respect to the
     initial contents is exact (zero where written) and a read costs O(window) in the
-    reverse pass; `check=True` in `esb.scan` makes a second write, or a read of a
-    position not yet written, an error through `equinox.error_if`.
+    reverse pass; `check=True` in `esb.scan` makes a second write to a position, or
+    a write to a position whose initial contents were read, an error through
+    `equinox.error_if`.
 
     Reads: `buf[i]` / `buf[i, j]` (leading-dimension integer scalars), or
     `esb.dynamic_slice(buf, ...)`. Writes: `buf.at[i].set(value, pred=True)` or
@@ -86,24 +89,26 @@ class WriteOnceBuffer(eqx.Module):
             roles += [BUFFER, CHECKING]
         return roles
 
-    def _check(self, x: Array, starts: list, sizes: list, write: bool) -> Array:
-        # The checked mode: a write must find its window unwritten, a read written.
-        if self._written is None:
-            return x
-        assert self._checking is not None
-        window = lax.dynamic_slice(self._written, _int32(starts), sizes)
-        if write:
-            bad, what = jnp.any(window), "a second write to a buffer position"
-        else:
-            bad, what = ~jnp.all(window), "a read of a buffer position not written yet"
-        return eqx.error_if(
-            x, bad & self._checking, f"esb.scan(buffers=..., check=True): {what}."
-        )
+    # The checked mode's mask: per position, UNTOUCHED, READ (its initial contents
+    # were read) or WRITTEN. A write must find its window UNTOUCHED: WRITTEN is a
+    # second write, READ a read before write (the reverse pass would rerun that read
+    # against the final buffer).
+
+    def _mask_window(self, starts: Any, sizes: Any) -> Array:
+        assert self._written is not None
+        return lax.dynamic_slice(self._written, _int32(starts), sizes)
 
     def dynamic_slice(self, start_indices: Any, slice_sizes: Any, **kwargs) -> Array:
         """Read a window. See [`eqx_shiftbuf.dynamic_slice`][]."""
         out = _ops.dynamic_slice(self._buf, start_indices, slice_sizes, **kwargs)
-        return self._check(out, list(start_indices), list(slice_sizes), write=False)
+        if self._written is not None:
+            window = self._mask_window(start_indices, slice_sizes)
+            window = jnp.where(window == _UNTOUCHED, _READ, window)
+            # A read returns only the window, so the mask update is threaded through
+            # this object, as `esb.dynamic_slice` threads a ShiftBuffer's storage.
+            new = lax.dynamic_update_slice(self._written, window, _int32(start_indices))
+            object.__setattr__(self, "_written", new)
+        return out
 
     def dynamic_update_slice(
         self, update: ArrayLike, start_indices: Any, pred: Any = True, **kwargs
@@ -116,16 +121,22 @@ class WriteOnceBuffer(eqx.Module):
             # first feeds the write of the same window, which stays in place.
             old = _ops.dynamic_slice(self._buf, start_indices, update.shape, **kwargs)
             update = jnp.where(pred, update, old)
-        update = self._check(
-            update, list(start_indices), list(update.shape), write=True
-        )
-        buf = _ops.dynamic_update_slice(self._buf, update, start_indices, **kwargs)
         written = self._written
         if written is not None:
-            starts = _int32(start_indices)
+            assert self._checking is not None
+            window = self._mask_window(start_indices, update.shape)
             mark = jnp.broadcast_to(jnp.asarray(pred, bool), update.shape)
-            old_mark = lax.dynamic_slice(written, starts, update.shape)
-            written = lax.dynamic_update_slice(written, old_mark | mark, starts)
+            for state, what in (
+                (_WRITTEN, "a second write to a buffer position"),
+                (_READ, "a write to a position read before it was written"),
+            ):
+                bad = jnp.any(mark & (window == state)) & self._checking
+                update = eqx.error_if(
+                    update, bad, f"esb.scan(buffers=..., check=True): {what}."
+                )
+            window = jnp.where(mark, _WRITTEN, window)
+            written = lax.dynamic_update_slice(written, window, _int32(start_indices))
+        buf = _ops.dynamic_update_slice(self._buf, update, start_indices, **kwargs)
         return WriteOnceBuffer(buf, written, self._checking)
 
     def __getitem__(self, index: Any) -> Array:
@@ -180,5 +191,5 @@ def wrap(x: Any, check: bool) -> WriteOnceBuffer:
         )
     buf = ShiftBuffer.from_array(arr, axis=0)
     if check:
-        return WriteOnceBuffer(buf, jnp.zeros(arr.shape, bool), jnp.asarray(True))
+        return WriteOnceBuffer(buf, jnp.zeros(arr.shape, jnp.int8), jnp.asarray(True))
     return WriteOnceBuffer(buf)

@@ -1,0 +1,336 @@
+"""`esb.scan(..., buffers=...)` against `equinox.internal.scan`, and the Equinox
+failure cases (../shared/research/equinox-loops.md) passing under `esb.scan`."""
+
+from __future__ import annotations
+
+import equinox as eqx
+import equinox.internal as eqxi
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+
+import eqx_shiftbuf as esb
+
+
+RTOL = 1e-10
+N = 16  # buffer rows; the scan writes rows 0..L-1 and reads the last row unwritten
+L = 12
+
+
+def _close(a, b):
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=RTOL, atol=1e-12)
+
+
+def _body(w):
+    """Write row i; read row i-1 (written) or, at step 0, the never-written last row."""
+
+    def body(carry, x):
+        i, v, buf = carry
+        prev = buf[jnp.where(i > 0, i - 1, buf.shape[0] - 1)]
+        v = jnp.tanh(w * v + x + 0.5 * prev)
+        buf = buf.at[i].set(v)
+        return (i + 1, v, buf), v.sum()
+
+    return body
+
+
+def _loss(scan):
+    def loss(w, buf0, xs):
+        (_, v, buf), ys = scan(_body(w), (jnp.int32(0), jnp.ones(3), buf0), xs)
+        return (buf**2).sum() + ys.sum() + v.sum()
+
+    return loss
+
+
+def _args():
+    rng = np.random.default_rng(0)
+    return 0.7, jnp.asarray(rng.normal(size=(N, 3))), jnp.linspace(0.0, 1.0, L)
+
+
+def _third(c):
+    return c[2]
+
+
+ESB = {
+    "lax": lambda f, c, x: esb.scan(f, c, x, kind="lax", buffers=_third),
+    "ckpt-3": lambda f, c, x: esb.scan(f, c, x, checkpoints=3, buffers=_third),
+    "ckpt-all": lambda f, c, x: esb.scan(f, c, x, checkpoints="all", buffers=_third),
+    "ckpt-3-checked": lambda f, c, x: esb.scan(
+        f, c, x, checkpoints=3, buffers=_third, check=True
+    ),
+}
+EQXI = {
+    "ckpt-3": lambda f, c, x: eqxi.scan(
+        f, c, x, kind="checkpointed", checkpoints=3, buffers=_third
+    ),
+    "ckpt-all": lambda f, c, x: eqxi.scan(
+        f, c, x, kind="checkpointed", checkpoints="all", buffers=_third
+    ),
+}
+
+
+@pytest.mark.parametrize("name", ESB)
+def test_values_and_gradients_equal_plain_autodiff(name):
+    # The reference: lax.scan on the raw array (`buf[i]`, `buf.at[i].set` on jnp).
+    args = _args()
+    grad = lambda scan: jax.value_and_grad(_loss(scan), argnums=(0, 1, 2))(*args)
+    _close(grad(ESB[name]), grad(lax.scan))
+
+
+@pytest.mark.parametrize("name", EQXI)
+def test_same_values_and_gradients_as_equinox_except_its_initial_buffer_gradient(name):
+    args = _args()
+    grad = lambda scan: jax.value_and_grad(_loss(scan), argnums=(0, 1, 2))(*args)
+    (v_e, (gw_e, gb_e, gx_e)), (v_q, (gw_q, gb_q, gx_q)) = (
+        grad(ESB[name]),
+        grad(EQXI[name]),
+    )
+    _close((v_e, gw_e, gx_e), (v_q, gw_q, gx_q))
+    # Equinox passes the final-buffer cotangent through every write: its gradient
+    # for the initial contents is wrong at written rows, ours is zero there.
+    _, (_, gb_ref, _) = grad(lax.scan)
+    _close(gb_e, gb_ref)
+    np.testing.assert_array_equal(np.asarray(gb_e[:L]), 0.0)
+    assert not np.allclose(np.asarray(gb_q[:L]), 0.0)
+
+
+def test_equinox_differentiates_a_second_write_wrongly_and_esb_exactly():
+    # Two writes to row 0 and no read in between: allowed for the gradient here
+    # (writes transpose exactly), silently wrong in Equinox.
+    def loss(scan, w, buf0):
+        def body(buf, x):
+            return buf.at[0].set(jnp.sin(w * x) * jnp.ones(3)), None
+
+        buf, _ = scan(body, buf0, jnp.linspace(0.0, 1.0, 5))
+        return (buf**2).sum()
+
+    buf0 = jnp.ones((4, 3))
+    ref = jax.grad(lambda w, b: loss(lax.scan, w, b), argnums=(0, 1))(0.3, buf0)
+    ours = lambda f, c, x: esb.scan(f, c, x, buffers=lambda b: b, checkpoints=2)
+    theirs = lambda f, c, x: eqxi.scan(
+        f, c, x, buffers=lambda b: b, kind="checkpointed", checkpoints=2
+    )
+    _close(jax.grad(lambda w, b: loss(ours, w, b), argnums=(0, 1))(0.3, buf0), ref)
+    got = jax.grad(lambda w, b: loss(theirs, w, b), argnums=(0, 1))(0.3, buf0)
+    assert not np.allclose(np.asarray(got[1]), np.asarray(ref[1]))
+
+
+def test_checked_mode_raises_on_a_second_write():
+    def run(check):
+        def body(buf, x):
+            return buf.at[0].set(x * jnp.ones(3)), None
+
+        return esb.scan(
+            body, jnp.zeros((4, 3)), jnp.ones(3), buffers=lambda b: b, check=check
+        )
+
+    run(False)
+    with pytest.raises(Exception, match="second write to a buffer position"):
+        jax.block_until_ready(run(True))
+
+
+def test_checked_mode_raises_on_a_read_before_write():
+    # Step i reads row i + 1, which step i + 1 then writes.
+    def body(buf, i):
+        return buf.at[i].set(buf[i + 1] + 1.0), None
+
+    run = lambda check: esb.scan(
+        body, jnp.zeros((4,)), jnp.arange(3), buffers=lambda b: b, check=check
+    )
+    run(False)
+    with pytest.raises(Exception, match="read before it was written"):
+        jax.block_until_ready(run(True))
+
+
+def test_checked_mode_allows_reading_positions_never_written():
+    def body(buf, i):
+        return buf.at[i].set(buf[3] + 1.0), None
+
+    buf, _ = esb.scan(
+        body, jnp.zeros((4,)), jnp.arange(3), buffers=lambda b: b, check=True
+    )
+    np.testing.assert_array_equal(np.asarray(buf), [1.0, 1.0, 1.0, 0.0])
+
+
+def test_checked_mode_is_off_while_steps_are_rerun():
+    # The reverse pass reruns steps against the final (fully written) buffer; the
+    # checks must not fire there.
+    args = _args()
+    grad = jax.grad(_loss(ESB["ckpt-3-checked"]), argnums=(0, 1))
+    _close(grad(*args), jax.grad(_loss(lax.scan), argnums=(0, 1))(*args))
+
+
+@pytest.mark.parametrize("kind", ["lax", "checkpointed"])
+def test_body_sees_the_same_buffer_object_under_both_kinds(kind):
+    seen = []
+
+    def body(buf, x):
+        seen.append(type(buf))
+        return buf.at[0].set(x), None
+
+    esb.scan(body, jnp.zeros(3), jnp.ones(1), kind=kind, buffers=lambda b: b)
+    assert seen == [esb.WriteOnceBuffer]
+
+
+def test_body_is_traced_once_with_buffers():
+    traces = []
+
+    def loss(w):
+        def body(buf, x):
+            traces.append(None)
+            return buf.at[x].set(w), None
+
+        buf, _ = esb.scan(body, jnp.zeros(4), jnp.arange(4), buffers=lambda b: b)
+        return buf.sum()
+
+    jax.grad(loss)(1.0)
+    assert len(traces) == 1
+
+
+def test_pred_writes_only_where_true():
+    def body(buf, x):
+        i, p = x
+        return buf.at[i].set(1.0, pred=p), None
+
+    xs = (jnp.arange(4), jnp.array([True, False, True, False]))
+    for kind in ("lax", "checkpointed"):
+        buf, _ = esb.scan(body, jnp.zeros(4), xs, kind=kind, buffers=lambda b: b)
+        np.testing.assert_array_equal(np.asarray(buf), [1.0, 0.0, 1.0, 0.0])
+
+
+def test_dynamic_slice_and_dynamic_update_slice_work_on_the_buffer():
+    def loss(w):
+        def body(carry, i):
+            buf, acc = carry
+            buf = esb.dynamic_update_slice(
+                buf, jnp.sin(w * i) * jnp.ones((1, 2)), (i, 0)
+            )
+            window = esb.dynamic_slice(buf, (i, 0), (1, 2))
+            return (buf, acc + window.sum()), None
+
+        (buf, acc), _ = esb.scan(
+            body, (jnp.zeros((5, 2)), 0.0), jnp.arange(5), buffers=lambda c: c[0]
+        )
+        return acc + (buf**2).sum()
+
+    def ref(w):
+        def body(carry, i):
+            buf, acc = carry
+            buf = lax.dynamic_update_slice(
+                buf, jnp.sin(w * i) * jnp.ones((1, 2)), (i, 0)
+            )
+            return (buf, acc + lax.dynamic_slice(buf, (i, 0), (1, 2)).sum()), None
+
+        (buf, acc), _ = lax.scan(body, (jnp.zeros((5, 2)), 0.0), jnp.arange(5))
+        return acc + (buf**2).sum()
+
+    _close(jax.value_and_grad(loss)(0.4), jax.value_and_grad(ref)(0.4))
+
+
+def test_length_zero_with_buffers():
+    buf, ys = esb.scan(
+        lambda b, x: (b.at[0].set(x), x),
+        jnp.ones(3),
+        jnp.zeros((0,)),
+        buffers=lambda b: b,
+    )
+    np.testing.assert_array_equal(np.asarray(buf), 1.0)
+    assert ys.shape == (0,)
+
+
+def test_forward_mode_with_buffers():
+    args = _args()
+    f = lambda scan: jax.jvp(lambda w: _loss(scan)(w, *args[1:]), (args[0],), (1.0,))
+    _close(f(ESB["ckpt-3"]), f(lax.scan))
+
+
+def test_vmap_of_grad_and_grad_of_vmap_with_buffers():
+    _, buf0, xs = _args()
+    ws = jnp.array([0.1, 0.5, 0.9])
+    vg = lambda s: jax.vmap(lambda w: jax.grad(_loss(s))(w, buf0, xs))(ws)
+    gv = lambda s: jax.grad(
+        lambda ws: jax.vmap(lambda w: _loss(s)(w, buf0, xs))(ws).sum()
+    )(ws)
+    for t in (vg, gv):
+        _close(t(ESB["ckpt-3"]), t(lax.scan))
+
+
+def test_nested_scan_writes_into_an_outer_buffer():
+    # The diffrax pattern: an inner loop steps a state; the outer loop saves it.
+    def loss(scan, w):
+        def outer(carry, t):
+            y, saved = carry
+            y, _ = scan(
+                lambda y, _: (y + 0.1 * jnp.sin(w * y + t), None), y, jnp.zeros(4)
+            )
+            return (y, saved.at[t].set(y)), None
+
+        (_, saved), _ = scan(outer, (jnp.ones(2), jnp.zeros((6, 2))), jnp.arange(6))
+        return (saved**2).sum()
+
+    ours = lambda f, c, x: esb.scan(
+        f,
+        c,
+        x,
+        checkpoints=2,
+        buffers=(lambda c: c[1]) if isinstance(c, tuple) else None,
+    )
+    _close(
+        jax.value_and_grad(lambda w: loss(ours, w))(0.3),
+        jax.value_and_grad(lambda w: loss(lax.scan, w))(0.3),
+    )
+
+
+def test_buffers_must_name_arrays():
+    with pytest.raises(ValueError, match="at least one dimension"):
+        esb.scan(
+            lambda c, x: (c, x),
+            (jnp.float64(0.0),),
+            jnp.ones(2),
+            buffers=lambda c: c[0],
+        )
+
+
+def test_index_must_be_integer_scalars():
+    def body(buf, x):
+        return buf.at[1:2].set(x), None
+
+    with pytest.raises(TypeError, match="indexed by integer scalars"):
+        esb.scan(body, jnp.zeros(4), jnp.ones(2), buffers=lambda b: b)
+
+
+def test_buffers_are_not_stored_at_checkpoints():
+    def temp(checkpoints, declare):
+        def loss(w, buf0):
+            def body(carry, i):
+                v, buf = carry
+                v = jnp.sin(w * v)
+                return (v, buf.at[i].set(v)), None
+
+            (v, buf), _ = esb.scan(
+                body,
+                (jnp.ones(64, jnp.float32), buf0),
+                jnp.arange(4096),
+                checkpoints=checkpoints,
+                buffers=(lambda c: c[1]) if declare else None,
+            )
+            return (buf**2).sum() + v.sum()
+
+        buf0 = jnp.zeros((4096, 64), jnp.float32)
+        compiled = jax.jit(jax.grad(loss)).lower(jnp.float32(1.0), buf0).compile()
+        return compiled.memory_analysis().temp_size_in_bytes
+
+    buffer_bytes, carry_bytes = 4096 * 64 * 4, 64 * 4
+    declared = temp(64, True) - temp(8, True)
+    # 56 more checkpoints store 56 more small carries, and no buffer.
+    assert declared < buffer_bytes
+    assert 56 * carry_bytes <= declared <= 60 * carry_bytes + 4096
+    # Undeclared, the buffer is stored at every checkpoint.
+    assert temp(64, False) - temp(8, False) >= 56 * buffer_bytes
+
+
+def test_write_once_buffer_is_an_equinox_module():
+    assert issubclass(esb.WriteOnceBuffer, eqx.Module)
