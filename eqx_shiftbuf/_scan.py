@@ -207,9 +207,20 @@ def _scan_jvp(
     roles,
 ):
     if save:
-        raise NotImplementedError(
-            "esb.scan: forward mode of a scan inside the JVP of a checkpointed scan "
-            "(a second derivative) is not supported; use kind='lax'."
+        # Only met by forward mode over a derivative (e.g. Hessian-vector products,
+        # forward over reverse): differentiate the implementation, uncheckpointed.
+        return _jvp_of_impl(
+            _scan_impl,
+            primals,
+            tangents,
+            jaxpr=jaxpr,
+            num_consts=num_consts,
+            num_carry=num_carry,
+            length=length,
+            checkpoints=checkpoints,
+            unroll=unroll,
+            save=save,
+            roles=roles,
         )
     params = dict(
         jaxpr=jaxpr,
@@ -305,11 +316,24 @@ scan_lin_p.def_effectful_abstract_eval(_lin_abstract_eval)
 mlir.register_lowering(scan_lin_p, mlir.lower_fun(_lin_impl, multiple_results=True))
 
 
+def _jvp_of_impl(impl, primals, tangents, **params):
+    """Forward mode of a primitive through its implementation (plain `lax.scan`s)."""
+    tangents = [
+        ad.instantiate_zeros(t) if _inexact(_aval(p)) else _float0_zeros(_aval(p))
+        for p, t in zip(primals, tangents)
+    ]
+    out, tout = jax.jvp(lambda *a: impl(*a, **params), list(primals), tangents)
+    tout = [
+        t if _inexact(_aval(o)) else ad.Zero(_aval(o).to_tangent_aval())
+        for o, t in zip(out, tout)
+    ]
+    return out, tout
+
+
 def _lin_jvp(primals, tangents, **params):
-    raise NotImplementedError(
-        "esb.scan: differentiating the derivative of a checkpointed scan (a second "
-        "derivative) is not supported yet; use kind='lax' for it."
-    )
+    # A second derivative through the checkpointed scan: differentiate the
+    # implementation (a `lax.scan` of the body's JVP), without checkpointing.
+    return _jvp_of_impl(_lin_impl, primals, tangents, **params)
 
 
 ad.primitive_jvps[scan_lin_p] = _lin_jvp

@@ -420,3 +420,20 @@ def test_bad_arguments_raise_clear_errors():
         esb.scan(lambda c, x: (jnp.stack([c, c]), c), jnp.float64(0.0), jnp.zeros(3))
     with pytest.raises(ValueError, match="give `length`"):
         esb.scan(body, 0.0, None)
+
+
+@pytest.mark.parametrize(
+    "outer,inner",
+    [(jax.jacfwd, jax.grad), (jax.jacfwd, jax.jacfwd), (jax.jacrev, jax.jacfwd)],
+    ids=["fwd-over-rev", "fwd-over-fwd", "rev-over-fwd"],
+)
+def test_second_derivatives_equal_lax_scan(outer, inner):
+    # Reverse over reverse is not supported: the reverse pass is a `while` loop.
+    def loss(w, scan):
+        c, ys = scan(
+            lambda c, x: (jnp.tanh(w * c + x), c**2), jnp.ones(3), jnp.linspace(0, 1, 9)
+        )
+        return (c**2).sum() + ys.sum()
+
+    got = outer(inner(loss))(0.3, SCANS["ckpt-3"])
+    _close(got, outer(inner(loss))(0.3, lax.scan))
