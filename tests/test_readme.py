@@ -14,3 +14,23 @@ def test_readme_example_runs_without_loop_copies():
         namespace["grad"], 1.0, namespace["rows"], namespace["cols"], namespace["xs"]
     )
     assert copies == []
+
+
+def test_readme_scan_example_matches_lax_scan():
+    text = (pathlib.Path(__file__).parent.parent / "README.md").read_text()
+    blocks = re.findall(r"```python\n(.*?)```", text, re.S)
+    namespace: dict = {}
+    exec(compile(blocks[1], "README.md", "exec"), namespace)
+    jax, jnp, esb = namespace["jax"], namespace["jnp"], namespace["esb"]
+    w, h0 = 0.5 * jnp.eye(namespace["d"]), jnp.ones(namespace["d"])
+    # The same loss on lax.scan.
+    namespace["esb"] = type(
+        "M",
+        (),
+        {"scan": staticmethod(lambda f, init, xs, buffers: jax.lax.scan(f, init, xs))},
+    )
+    want = jax.grad(namespace["loss"])(w, h0)
+    namespace["esb"] = esb
+    got = namespace["grad"](w, h0)
+    assert jnp.allclose(got, want, rtol=1e-6, atol=1e-8)
+    assert esb.find_loop_copies(namespace["grad"], w, h0) == []

@@ -334,3 +334,57 @@ def test_buffers_are_not_stored_at_checkpoints():
 
 def test_write_once_buffer_is_an_equinox_module():
     assert issubclass(esb.WriteOnceBuffer, eqx.Module)
+
+
+def _loop_ops_of_shape(jaxpr, shape, names, in_loop=False):
+    """Primitives in `names` inside loop bodies of `jaxpr` whose output has `shape`."""
+    found = []
+    for eqn in jaxpr.eqns:
+        if in_loop:
+            found += [
+                eqn.primitive.name
+                for v in eqn.outvars
+                if eqn.primitive.name in names
+                and getattr(v.aval, "shape", None) == shape
+            ]
+        loop = in_loop or eqn.primitive.name in ("while", "scan")
+        for param in eqn.params.values():
+            for sub in param if isinstance(param, (list, tuple)) else [param]:
+                sub = getattr(sub, "jaxpr", sub)
+                if hasattr(sub, "eqns"):
+                    found += _loop_ops_of_shape(sub, shape, names, loop)
+    return found
+
+
+def test_reverse_pass_reads_cost_a_window_not_the_buffer():
+    # Equinox transposes a buffer read into zeros of the buffer's size, a window
+    # update and a full-size add, on every backward step (O(buffer) per step,
+    # quadratic in the length: ../shared/research/equinox-loops.md, 2.6). Here a
+    # read transposes into an in-place accumulation of the window.
+    def loss(scan):
+        def f(w, buf0):
+            def body(carry, i):
+                c, buf = carry
+                c = jnp.sin(w * c) + 0.1 * buf[jnp.maximum(i - 1, 0)]
+                return (c, buf.at[i].set(c)), None
+
+            (c, buf), _ = scan(body, (jnp.ones(8), buf0), jnp.arange(63))
+            return (buf**2).sum() + c.sum()
+
+        return f
+
+    names = ("add_any", "add", "broadcast_in_dim", "mul", "select_n")
+    ours = lambda f, c, x: esb.scan(f, c, x, checkpoints="all", buffers=lambda c: c[1])
+    theirs = lambda f, c, x: eqxi.scan(
+        f, c, x, kind="checkpointed", checkpoints="all", buffers=lambda c: c[1]
+    )
+    args = (1.0, jnp.zeros((64, 8)))
+    assert (
+        _loop_ops_of_shape(
+            jax.make_jaxpr(jax.grad(loss(ours)))(*args).jaxpr, (64, 8), names
+        )
+        == []
+    )
+    assert _loop_ops_of_shape(
+        jax.make_jaxpr(jax.grad(loss(theirs)))(*args).jaxpr, (64, 8), names
+    )
