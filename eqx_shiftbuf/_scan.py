@@ -757,9 +757,10 @@ def scan(
         )
     slots = min(slots, max(length, 1))
 
-    carry_avals = [jcore.ShapedArray(c.shape, c.dtype) for c in init_flat]
+    carry_avals = [_aval(c) for c in init_flat]
     x_avals = [jcore.ShapedArray(x.shape[1:], x.dtype) for x in xs_flat]
     out_tree_box = []
+    promote: dict[int, Any] = {}
 
     def flat_body(*args):
         carry, x = args[: len(carry_avals)], args[len(carry_avals) :]
@@ -778,8 +779,12 @@ def scan(
                 f"expected {init_tree}, got {c_tree}."
             )
         c_flat = [jnp.asarray(c) for c in c_flat]
-        for c, a in zip(c_flat, carry_avals):
-            if c.shape != a.shape or c.dtype != a.dtype:
+        for k, (c, a) in enumerate(zip(c_flat, carry_avals)):
+            if c.shape == a.shape and c.dtype != a.dtype and a.weak_type:
+                # A weakly typed init (a Python scalar) takes the body's dtype, as
+                # in `lax.scan` (which also traces twice then).
+                promote[k] = c.dtype
+            elif c.shape != a.shape or c.dtype != a.dtype:
                 raise TypeError(
                     "esb.scan: `f` must return a carry with the shapes and dtypes of "
                     f"`init`; expected {a.str_short()}, got "
@@ -790,6 +795,15 @@ def scan(
         return [*c_flat, *[jnp.asarray(v) for v in y_flat]]
 
     jaxpr, consts = _trace(flat_body, carry_avals + x_avals, "esb.scan")
+    if promote:
+        init_flat = [
+            lax.convert_element_type(c, promote[k]) if k in promote else c
+            for k, c in enumerate(init_flat)
+        ]
+        carry_avals = [_aval(c) for c in init_flat]
+        out_tree_box.clear()
+        promote.clear()
+        jaxpr, consts = _trace(flat_body, carry_avals + x_avals, "esb.scan")
     (y_tree,) = out_tree_box
     num_carry = len(init_flat)
     if length == 0:

@@ -437,3 +437,13 @@ def test_second_derivatives_equal_lax_scan(outer, inner):
 
     got = outer(inner(loss))(0.3, SCANS["ckpt-3"])
     _close(got, outer(inner(loss))(0.3, lax.scan))
+
+
+def test_python_scalar_init_takes_the_body_dtype_as_in_lax_scan():
+    body = lambda c, x: (c + x, 2 * c)
+    xs = jnp.ones(3, jnp.float32)
+    got, want = esb.scan(body, 0.0, xs), lax.scan(body, 0.0, xs)
+    assert [a.dtype for a in jax.tree.leaves(got)] == [
+        a.dtype for a in jax.tree.leaves(want)
+    ]
+    _close(got, want)
