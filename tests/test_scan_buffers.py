@@ -388,3 +388,50 @@ def test_reverse_pass_reads_cost_a_window_not_the_buffer():
     assert _loop_ops_of_shape(
         jax.make_jaxpr(jax.grad(loss(theirs)))(*args).jaxpr, (64, 8), names
     )
+
+
+@pytest.mark.parametrize("checkpoints", [1, 3, 8, "all"])
+def test_an_mlp_body_without_buffers_matches_equinox(checkpoints):
+    mlp = eqx.nn.MLP(3, 3, 8, 2, key=jax.random.key(0))
+
+    def loss(scan, mlp, c0, xs):
+        def body(c, x):
+            return c + 0.1 * mlp(c * x), jnp.tanh(c).sum()
+
+        c, ys = scan(body, c0, xs)
+        return (c**2).sum() + ys.sum()
+
+    ours = lambda f, c, x: esb.scan(f, c, x, checkpoints=checkpoints)
+    theirs = lambda f, c, x: eqxi.scan(
+        f, c, x, kind="checkpointed", checkpoints=checkpoints
+    )
+    args = (mlp, jnp.ones(3), jnp.linspace(0.0, 1.0, 10)[:, None] * jnp.ones(3))
+    grad = lambda s: eqx.filter_value_and_grad(lambda m, c, x: loss(s, m, c, x))(*args)
+    _close(grad(ours), grad(theirs))
+
+
+def test_vmap_with_each_batch_element_writing_its_own_rows():
+    def loss(w, buf0, rows):
+        def body(buf, r):
+            return buf.at[r].set(jnp.sin(w * r) * jnp.ones(2)), None
+
+        buf, _ = esb.scan(body, buf0, rows, checkpoints=2, buffers=lambda b: b)
+        return (buf**2).sum()
+
+    def ref(w, buf0, rows):
+        def body(buf, r):
+            return buf.at[r].set(jnp.sin(w * r) * jnp.ones(2)), None
+
+        return (lax.scan(body, buf0, rows)[0] ** 2).sum()
+
+    rows = jnp.array([[0, 2, 4], [5, 3, 1]])
+    buf0 = jnp.ones((2, 6, 2))
+    got = jax.vmap(jax.value_and_grad(loss, argnums=(0, 1)), in_axes=(None, 0, 0))(
+        0.3, buf0, rows
+    )
+    want = jax.vmap(jax.value_and_grad(ref, argnums=(0, 1)), in_axes=(None, 0, 0))(
+        0.3, buf0, rows
+    )
+    _close(got, want)
+    grad = jax.jit(jax.vmap(jax.grad(loss, argnums=(0, 1)), in_axes=(None, 0, 0)))
+    assert esb.find_loop_copies(grad, 0.3, jnp.ones((2, 4096, 2)), rows) == []
