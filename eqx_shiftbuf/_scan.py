@@ -20,6 +20,7 @@ with a JVP and a transpose gives both modes.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
@@ -713,11 +714,14 @@ def scan(
     """
     if kind not in ("lax", "checkpointed"):
         raise ValueError(f"`kind` must be 'lax' or 'checkpointed'; got {kind!r}.")
+    # Buffers handed in already wrapped (by an outer scan) are returned wrapped.
+    outer = [_is_wob(n) for n in jtu.tree_leaves(init, is_leaf=_is_wob)]
     if buffers is not None:
         init = _wrap_buffers(init, buffers, check)
+    unwrap = functools.partial(_unwrap_buffers, keep=outer)
     if kind == "lax":
         carry, ys = lax.scan(f, init, xs, length, reverse=reverse, unroll=unroll)
-        return _unwrap_buffers(carry), ys
+        return unwrap(carry), ys
     top, _ = jtu.tree_flatten(init, is_leaf=_is_wob)
     roles = []
     for node in top:
@@ -809,7 +813,7 @@ def scan(
     if length == 0:
         ys = [jnp.zeros((0, *a.shape), a.dtype) for a in jaxpr.out_avals[num_carry:]]
         carry = jtu.tree_unflatten(init_tree, init_flat)
-        return _unwrap_buffers(carry), jtu.tree_unflatten(y_tree, ys)
+        return unwrap(carry), jtu.tree_unflatten(y_tree, ys)
     if reverse:
         xs_flat = [jnp.flip(x, 0) for x in xs_flat]
     out = scan_p.bind(
@@ -831,7 +835,7 @@ def scan(
     if reverse:
         ys = [jnp.flip(y, 0) for y in ys]
     carry = jtu.tree_unflatten(init_tree, carry)
-    return _unwrap_buffers(carry), jtu.tree_unflatten(y_tree, ys)
+    return unwrap(carry), jtu.tree_unflatten(y_tree, ys)
 
 
 def _is_wob(x: Any) -> bool:
@@ -849,5 +853,7 @@ def _wrap_buffers(init: Any, buffers: Callable, check: bool) -> Any:
     )
 
 
-def _unwrap_buffers(carry: Any) -> Any:
-    return jtu.tree_map(lambda x: x.array if _is_wob(x) else x, carry, is_leaf=_is_wob)
+def _unwrap_buffers(carry: Any, keep: Sequence[bool]) -> Any:
+    nodes, tree = jtu.tree_flatten(carry, is_leaf=_is_wob)
+    nodes = [n.array if _is_wob(n) and not k else n for n, k in zip(nodes, keep)]
+    return jtu.tree_unflatten(tree, nodes)

@@ -53,6 +53,13 @@ class WriteOnceBuffer(eqx.Module):
     a write to a position whose initial contents were read, an error through
     `equinox.error_if`.
 
+    Why writes keep their exact transpose: Equinox's write transposes to "read the
+    window's cotangent" and skips zeroing it, which is what makes its gradient with
+    respect to the initial contents wrong (a full-size mask pass at the end would
+    fix that). Here a write is `esb.dynamic_update_slice`, whose transpose also
+    zeroes the window: one more in-place window write per reversed step, no mask,
+    and an exact gradient whatever was written twice without a read in between.
+
     Reads: `buf[i]` / `buf[i, j]` (leading-dimension integer scalars), or
     `esb.dynamic_slice(buf, ...)`. Writes: `buf.at[i].set(value, pred=True)` or
     `esb.dynamic_update_slice(buf, ...)`; each returns a new buffer, to be returned
@@ -183,6 +190,16 @@ class _AtIndex:
 
 
 def wrap(x: Any, check: bool) -> WriteOnceBuffer:
+    if isinstance(x, WriteOnceBuffer):
+        # An outer scan's buffer handed to an inner scan (the diffrax pattern: an
+        # inner loop writing into an outer buffer) stays what it is.
+        return x
+    if isinstance(x, ShiftBuffer):
+        raise TypeError(
+            "esb.scan: `buffers=` names write-once arrays; a ShiftBuffer is edited "
+            "in place and overwritten, so leave it out of `buffers` (it is then "
+            "stored at checkpoints like any carry)."
+        )
     arr = jnp.asarray(x)
     if arr.ndim == 0:
         raise ValueError(

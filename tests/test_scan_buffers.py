@@ -435,3 +435,48 @@ def test_vmap_with_each_batch_element_writing_its_own_rows():
     _close(got, want)
     grad = jax.jit(jax.vmap(jax.grad(loss, argnums=(0, 1)), in_axes=(None, 0, 0)))
     assert esb.find_loop_copies(grad, 0.3, jnp.ones((2, 4096, 2)), rows) == []
+
+
+@pytest.mark.parametrize("checkpoints", [2, "all"])
+def test_inner_scan_writes_into_the_outer_buffer(checkpoints):
+    # diffrax's pattern: an inner loop steps the state and writes every inner step
+    # into a buffer owned by the outer loop.
+    n_outer, n_inner = 4, 3
+
+    def loss(scan, w, y0):
+        def outer(carry, k):
+            y, saved = carry
+
+            def inner(c, j):
+                y, saved = c
+                y = y + 0.1 * jnp.sin(w * y + k)
+                return (y, saved.at[k * n_inner + j].set(y)), None
+
+            (y, saved), _ = scan(inner, (y, saved), jnp.arange(n_inner))
+            return (y, saved), y.sum()
+
+        (y, saved), ys = scan(
+            outer, (y0, jnp.zeros((n_outer * n_inner, 2))), jnp.arange(n_outer)
+        )
+        return (saved**2).sum() + ys.sum() + y.sum()
+
+    ours = lambda f, c, x: esb.scan(
+        f, c, x, checkpoints=checkpoints, buffers=lambda c: c[1]
+    )
+    got = jax.value_and_grad(lambda w, y: loss(ours, w, y), argnums=(0, 1))(
+        0.3, jnp.ones(2)
+    )
+    want = jax.value_and_grad(lambda w, y: loss(lax.scan, w, y), argnums=(0, 1))(
+        0.3, jnp.ones(2)
+    )
+    _close(got, want)
+
+
+def test_a_shift_buffer_is_not_a_write_once_buffer():
+    with pytest.raises(TypeError, match="leave it out of `buffers`"):
+        esb.scan(
+            lambda b, x: (b, x),
+            esb.ShiftBuffer.zeros((3, 4)),
+            jnp.ones(2),
+            buffers=lambda b: b,
+        )
