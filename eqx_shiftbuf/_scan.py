@@ -13,9 +13,16 @@ once). Its rules:
   each load a stored carry, rerun the steps the schedule says (storing some), and
   apply the body's VJP to the step after them.
 
+Carry leaves have roles (`_writeonce`): `NORMAL` leaves are stored at checkpoints;
+`BUFFER` leaves (write-once buffers named in `buffers=`, and their check masks)
+are not: the JVP hands their final values to `scan_lin_p`, and rerun steps see
+those, as in Equinox; `CHECKING` (the checked mode's switch) is off in reruns.
+
 `jax.custom_vjp` would have been shorter but cannot be differentiated in forward
 mode (Equinox's checkpointed loops have that limit, equinox#927); a primitive pair
-with a JVP and a transpose gives both modes.
+with a JVP and a transpose gives both modes. Forward mode over a derivative
+(Hessian-vector products) differentiates the implementations; reverse over reverse
+is not supported (the reverse pass is a `while` loop).
 """
 
 from __future__ import annotations
