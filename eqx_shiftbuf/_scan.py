@@ -132,6 +132,17 @@ def _primal_scan(consts, init, xs, *, jaxpr, num_carry, length, unroll):
     return list(carry) + list(ys)
 
 
+def _store(slot, snaps, carry, normal):
+    """Store the `normal` leaves of `carry` in `snaps[slot]` when `slot >= 0`; a
+    `cond` keeps the other steps from touching the store. Call it last in a loop
+    iteration (see `_scan_impl`)."""
+
+    def store(s):
+        return [si.at[slot].set(ci) for si, ci in zip(s, _pick(carry, normal))]
+
+    return lax.cond(slot >= 0, store, lambda s: s, snaps), carry
+
+
 # ---------------------------------------------------------------------------
 # scan_p
 
@@ -156,25 +167,26 @@ def _scan_impl(
         )
     body = _body(jaxpr, num_carry)
     sched = schedule(length, checkpoints)
-    slots = jnp.asarray(sched.primal_slot)
+    # Step k stores the carry it *returns* (the one before step k + 1) where the
+    # schedule says so; the initial carry goes in slot 0 before the loop. Storing at
+    # the end of an iteration matters: the next iteration edits that carry in place,
+    # and the loop boundary orders the store's read before those writes. Stored at
+    # the start of the step instead, XLA could not order the store before the
+    # step's edits and copied the carry every step (corpus bodies that read their
+    # buffer).
+    after = np.append(sched.primal_slot[1:], -1).astype(np.int32)
+    slots = jnp.asarray(after)
     normal = [r == NORMAL for r in roles]
+    assert sched.primal_slot[0] == 0
     snaps0 = [
-        jnp.zeros((sched.checkpoints, *jnp.shape(c)), jnp.result_type(c))
+        jnp.zeros((sched.checkpoints, *jnp.shape(c)), jnp.result_type(c)).at[0].set(c)
         for c in _pick(init, normal)
     ]
 
     def step(state, x):
         k, carry, snaps = state
-        slot = slots[k]
-        # Store the carry before step k when the schedule says so. A `cond` keeps
-        # the other steps from touching the store.
-        snaps = lax.cond(
-            slot >= 0,
-            lambda s: [si.at[slot].set(ci) for si, ci in zip(s, _pick(carry, normal))],
-            lambda s: s,
-            snaps,
-        )
         carry, y = body(consts, carry, x)
+        snaps, carry = _store(slots[k], snaps, carry, normal)
         return (k + 1, carry, snaps), y
 
     # The step number is carried, not scanned over: an `arange` input would be a
@@ -458,13 +470,7 @@ def _reverse_pass(
         # What the step wrote into buffers is dropped (and its writes are dead
         # code for XLA).
         stored = pick(carry, normal)
-        slot = adv_slot[g]
-        snaps = lax.cond(
-            slot >= 0,
-            lambda s: [si.at[slot].set(ci) for si, ci in zip(s, stored)],
-            lambda s: s,
-            snaps,
-        )
+        snaps, stored = _store(adv_slot[g], snaps, stored, [True] * len(stored))
         return g + 1, stored, snaps
 
     def reversal(j, state):

@@ -294,16 +294,19 @@ def make_inputs(
     return params, init, xs
 
 
-def make_loss(body: Body, ops: Ops, *, active_rows: int | None = None) -> Callable:
+def make_loss(
+    body: Body, ops: Ops, *, active_rows: int | None = None, scan: Callable = lax.scan
+) -> Callable:
     """`loss(params, init_array, xs)`: scan `body` over `xs`, then a scalar loss.
 
     The loss reads the first `active_rows` rows of the final buffer (all of them by
-    default) and the sum of the per-step outputs.
+    default) and the sum of the per-step outputs. `scan` is `lax.scan` unless given
+    (`esb.scan`, say).
     """
 
     def loss(params, init, xs):
         carry = ops.wrap(init, body.axis)
-        carry, ys = lax.scan(lambda b, x: body.step(ops, b, x, params), carry, xs)
+        carry, ys = scan(lambda b, x: body.step(ops, b, x, params), carry, xs)
         final = ops.unwrap(carry)[:active_rows]
         return ((final - 0.5) ** 2).mean() + ys.sum()
 
