@@ -67,7 +67,7 @@ def test_matches_plain_autodiff(name, mode):
         np.testing.assert_allclose(a, b, rtol=1e-10, atol=1e-12)
 
 
-@pytest.mark.parametrize("mode", ["grad", "jvp"])
+@pytest.mark.parametrize("mode", ["grad", "jvp", "vmap(grad)"])
 @pytest.mark.parametrize("name", NAMES)
 def test_under_checkpointed_esb_scan(name, mode):
     # The ShiftBuffer carry is stored at 3 checkpoints and steps are rerun from them:
