@@ -447,3 +447,17 @@ def test_python_scalar_init_takes_the_body_dtype_as_in_lax_scan():
         a.dtype for a in jax.tree.leaves(want)
     ]
     _close(got, want)
+
+
+@pytest.mark.parametrize("reverse", [False, True])
+@pytest.mark.parametrize("length", [0, 5])
+def test_kind_lax_is_lax_scan(reverse, length):
+    body = lambda c, x: ({"a": c["a"] * 0.9 + x[0], "n": c["n"] + 1}, (x[1], c["a"]))
+    init = {"a": jnp.float64(1.0), "n": jnp.int32(0)}
+    xs = (jnp.arange(length, dtype=jnp.float64), jnp.arange(length, dtype=jnp.int32))
+    got = esb.scan(body, init, xs, kind="lax", reverse=reverse, unroll=2)
+    want = lax.scan(body, init, xs, reverse=reverse, unroll=2)
+    assert jax.tree.structure(got) == jax.tree.structure(want)
+    _close(got, want)
+    got = esb.scan(body, init, xs, reverse=reverse, unroll=2)
+    _close(got, want)
