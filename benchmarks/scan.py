@@ -103,12 +103,13 @@ def count_calls(loss, args):
 
 
 def temp_mb(fn, args):
-    compiled = jax.jit(fn).lower(*args).compile()
-    return compiled.memory_analysis().temp_size_in_bytes / 2**20
+    analysis = jax.jit(fn).lower(*args).compile().memory_analysis()
+    assert analysis is not None, "this backend gives no memory analysis"
+    return analysis.temp_size_in_bytes / 2**20
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--lengths", type=int, nargs="*", default=[1024, 4096, 16384])
     parser.add_argument("--repeat", type=int, default=3)
     args_ = parser.parse_args()
