@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import timeit
 from pathlib import Path
 
 
@@ -40,14 +39,6 @@ from eqx_shiftbuf._schedule import recomputed_steps  # noqa: E402
 
 
 STATE = 4096
-
-
-def time_ms(fn, args, repeat):
-    call = lambda: jax.block_until_ready(fn(*args))
-    call()
-    timer = timeit.Timer(call)
-    number, _ = timer.autorange()
-    return min(timer.repeat(number=number, repeat=repeat)) / number * 1e3
 
 
 def scans(length):
@@ -76,7 +67,7 @@ def state_loss(scan, count=None):
     return loss
 
 
-def buffer_loss(scan, with_buffers):
+def buffer_loss(scan):
     def loss(w, c0, buf0, xs):
         def body(carry, x):
             i, c, buf = carry
@@ -84,8 +75,9 @@ def buffer_loss(scan, with_buffers):
             c = jnp.sin(w * c) + x + 0.1 * prev
             return (i + 1, c, buf.at[i].set(c)), None
 
-        kw = dict(buffers=lambda carry: carry[2]) if with_buffers else {}
-        (_, c, buf), _ = scan(body, (jnp.int32(0), c0, buf0), xs, **kw)
+        (_, c, buf), _ = scan(
+            body, (jnp.int32(0), c0, buf0), xs, buffers=lambda carry: carry[2]
+        )
         return (c**2).sum() + (buf**2).sum()
 
     return loss
@@ -131,7 +123,7 @@ def main() -> None:
         ref = None
         for name, scan in versions.items():
             g = jax.jit(jax.grad(state_loss(scan), argnums=(0, 1)))
-            ms = time_ms(g, args, args_.repeat)
+            ms = demo.time_ms(g, args, args_.repeat)
             mem = temp_mb(jax.grad(state_loss(scan), argnums=(0, 1)), args)
             if name == "lax.scan":
                 evals, rerun = "-", "-"  # stores every step's residuals, reruns none
@@ -163,25 +155,15 @@ def main() -> None:
             xs,
         )
         for name in ("equinox.internal.scan", "esb.scan"):
-            fn = jax.grad(buffer_loss(versions[name], True), argnums=(0, 1))
+            fn = jax.grad(buffer_loss(versions[name]), argnums=(0, 1))
             print(
-                f"{length:>6} {c:>5} {name:<22} {time_ms(jax.jit(fn), args, args_.repeat):>8.2f} "
+                f"{length:>6} {c:>5} {name:<22} {demo.time_ms(jax.jit(fn), args, args_.repeat):>8.2f} "
                 f"{temp_mb(fn, args):>8.2f}"
             )
 
     print("\n3. ShiftBuffer carry, insert then delete per step (1000 steps, 100 x 500)")
 
-    def sb_loss(scan):
-        def loss(p, init, target, xs, ir, ic, dr, dc):
-            buf, _ = scan(
-                demo.esb_step,
-                esb.ShiftBuffer.from_array(init),
-                (jnp.sin(p * xs), ir, ic, dr, dc),
-            )
-            return ((target - buf.array[: target.shape[0]]) ** 2).mean()
-
-        return loss
-
+    wrap, unwrap = esb.ShiftBuffer.from_array, lambda b: b.array
     args = demo.make_args(n_rows=100)
     print(f"{'version':<34} {'fwd ms':>7} {'grad ms':>8} {'grad/fwd':>8} {'copies':>6}")
     for name, scan in [
@@ -192,10 +174,13 @@ def main() -> None:
             lambda f, c, x: esb.scan(f, c, x, checkpoints="all"),
         ),
     ]:
-        f, g = jax.jit(sb_loss(scan)), jax.jit(jax.grad(sb_loss(scan)))
-        fwd, grad = time_ms(f, args, args_.repeat), time_ms(g, args, args_.repeat)
-        copies = len(esb.find_loop_copies(g, *args))
-        print(f"{name:<34} {fwd:>7.3f} {grad:>8.3f} {grad / fwd:>8.2f} {copies:>6}")
+        loss = demo.make_loss(demo.esb_step, wrap, unwrap, scan=scan)
+        m = demo.measure(loss, args, args_.repeat)
+        fwd, grad = m["fwd_ms"], m["grad_ms"]
+        print(
+            f"{name:<34} {fwd:>7.3f} {grad:>8.3f} {grad / fwd:>8.2f} "
+            f"{m['grad_copies']:>6}"
+        )
 
 
 if __name__ == "__main__":

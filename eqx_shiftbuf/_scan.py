@@ -132,15 +132,15 @@ def _primal_scan(consts, init, xs, *, jaxpr, num_carry, length, unroll):
     return list(carry) + list(ys)
 
 
-def _store(slot, snaps, carry, normal):
-    """Store the `normal` leaves of `carry` in `snaps[slot]` when `slot >= 0`; a
-    `cond` keeps the other steps from touching the store. Call it last in a loop
+def _store(slot, snaps, stored):
+    """`snaps` with `stored` (one value per store) in slot `slot` when `slot >= 0`;
+    a `cond` keeps the other steps from touching the store. Call it last in a loop
     iteration (see `_scan_impl`)."""
 
     def store(s):
-        return [si.at[slot].set(ci) for si, ci in zip(s, _pick(carry, normal))]
+        return [si.at[slot].set(ci) for si, ci in zip(s, stored)]
 
-    return lax.cond(slot >= 0, store, lambda s: s, snaps), carry
+    return lax.cond(slot >= 0, store, lambda s: s, snaps)
 
 
 # ---------------------------------------------------------------------------
@@ -176,7 +176,7 @@ def _scan_impl(
     # buffer).
     after = np.append(sched.primal_slot[1:], -1).astype(np.int32)
     slots = jnp.asarray(after)
-    normal = [r == NORMAL for r in roles]
+    normal = _normal(roles)
     assert sched.primal_slot[0] == 0
     snaps0 = [
         jnp.zeros((sched.checkpoints, *jnp.shape(c)), jnp.result_type(c)).at[0].set(c)
@@ -186,7 +186,7 @@ def _scan_impl(
     def step(state, x):
         k, carry, snaps = state
         carry, y = body(consts, carry, x)
-        snaps, carry = _store(slots[k], snaps, carry, normal)
+        snaps = _store(slots[k], snaps, _pick(carry, normal))
         return (k + 1, carry, snaps), y
 
     # The step number is carried, not scanned over: an `arange` input would be a
@@ -202,7 +202,7 @@ def _scan_abstract_eval(
 ):
     out = _out_avals(jaxpr, num_carry, length)
     if save:
-        slots = min(checkpoints, max(length, 1))
+        slots = schedule(length, checkpoints).checkpoints  # as `_scan_impl` stores
         init = _pick(args[num_consts : num_consts + num_carry], _normal(roles))
         out += [_stacked(slots, a) for a in init]
     return out, jaxpr.effects
@@ -445,8 +445,7 @@ def _reverse_pass(
     def x_at(i):
         return [lax.dynamic_index_in_dim(x, i, keepdims=False) for x in xs]
 
-    pick, fill = _pick, _fill
-    normal = _normal(roles)
+    pick, fill, normal = _pick, _fill, _normal(roles)
 
     def with_finals(stored):
         # A rerun step sees the stored leaves, the buffers' final values, and the
@@ -470,7 +469,7 @@ def _reverse_pass(
         # What the step wrote into buffers is dropped (and its writes are dead
         # code for XLA).
         stored = pick(carry, normal)
-        snaps, stored = _store(adv_slot[g], snaps, stored, [True] * len(stored))
+        snaps = _store(adv_slot[g], snaps, stored)
         return g + 1, stored, snaps
 
     def reversal(j, state):
@@ -545,6 +544,25 @@ def _batch_body(jaxpr, num_consts, num_carry, size, consts_batched, xs_batched):
     return new, extra
 
 
+def _place(x, d, kind, batched, size):
+    """Move `x`'s batch axis (`d`, or None) where the batched body expects it: the
+    carry ("i") always at 0, broadcast if unbatched; consts ("c") at 0 and xs ("x")
+    at 1 (after the scanned axis), only when `batched`."""
+    if kind == "i":
+        return _move(x, d, 0, size)
+    if not batched:
+        return x
+    return _move(x, d, 0 if kind == "c" else 1, size)
+
+
+def _kinds(num_in, num_consts, num_carry):
+    return (
+        ["c"] * num_consts
+        + ["i"] * num_carry
+        + ["x"] * (num_in - num_consts - num_carry)
+    )
+
+
 def _move(x, d, to, size):
     if d is None:
         x = jnp.broadcast_to(
@@ -575,19 +593,14 @@ def _scan_batch(
     roles,
 ):
     size = _axis_size(args, dims)
-    consts, init, xs = _split(args, num_consts, num_carry)
-    cd, idims, xd = _split(dims, num_consts, num_carry)
-    cb = [d is not None for d in cd]
-    xb = [d is not None for d in xd]
+    batched = [d is not None for d in dims]
+    cb, _, xb = _split(batched, num_consts, num_carry)
     new, extra = _batch_body(jaxpr, num_consts, num_carry, size, cb, xb)
-    consts = [_move(c, d, 0, size) if b else c for c, d, b in zip(consts, cd, cb)]
-    init = [_move(c, d, 0, size) for c, d in zip(init, idims)]
-    xs = [_move(x, d, 1, size) if b else x for x, d, b in zip(xs, xd, xb)]
+    kinds = _kinds(len(args), num_consts, num_carry)
+    args = [_place(*a, size) for a in zip(args, dims, kinds, batched)]
     out = scan_p.bind(
         *extra,
-        *consts,
-        *init,
-        *xs,
+        *args,
         jaxpr=new,
         num_consts=len(extra) + num_consts,
         num_carry=num_carry,
@@ -613,31 +626,18 @@ def _lin_batch(
     num_in = len(jaxpr.in_avals)
     primals, snaps, finals, tangents = _lin_split(args, num_in, roles)
     pdims, sdims, fdims, tdims = _lin_split(dims, num_in, roles)
-    in_avals = [_aval(p) for p in primals]
+    inexact = [_inexact(_aval(p)) for p in primals]
     # A primal is batched if it or its tangent is.
-    tdim_full, it = [], iter(tdims)
-    for a in in_avals:
-        tdim_full.append(next(it) if _inexact(a) else None)
+    tdim_full = _fill([None] * len(primals), inexact, tdims)
     batched = [(pd is not None) or (td is not None) for pd, td in zip(pdims, tdim_full)]
     cb, _, xb = _split(batched, num_consts, num_carry)
     new, extra = _batch_body(jaxpr, num_consts, num_carry, size, cb, xb)
-    kinds = (
-        ["c"] * num_consts
-        + ["i"] * num_carry
-        + ["x"] * (num_in - num_consts - num_carry)
-    )
-
-    def place(x, d, role, b):
-        if role == "i":
-            return _move(x, d, 0, size)
-        if not b:
-            return x
-        return _move(x, d, 0 if role == "c" else 1, size)
-
-    primals = [place(p, d, r, b) for p, d, r, b in zip(primals, pdims, kinds, batched)]
-    tangent_roles = [(r, b) for r, b, a in zip(kinds, batched, in_avals) if _inexact(a)]
+    kinds = _kinds(num_in, num_consts, num_carry)
+    primals = [_place(*a, size) for a in zip(primals, pdims, kinds, batched)]
+    # Tangents exist for the inexact primals only, and go where their primal goes.
+    tangent_kinds = _pick(list(zip(kinds, batched)), inexact)
     tangents = [
-        place(t, d, r, b) for t, d, (r, b) in zip(tangents, tdims, tangent_roles)
+        _place(t, d, k, b, size) for t, d, (k, b) in zip(tangents, tdims, tangent_kinds)
     ]
     snaps = [_move(s, d, 1, size) for s, d in zip(snaps, sdims)]
     finals = [_move(f, d, 0, size) for f, d in zip(finals, fdims)]

@@ -63,12 +63,18 @@ def esb_step(buf, inputs):
     return buf.insert((r_ins, c_ins), v).delete((r_del, c_del)), None
 
 
-def make_loss(step: Callable, wrap: Callable = lambda a: a, unwrap=lambda b: b):
-    """`loss(p, init, target, xs, ins_rows, ins_cols, del_rows, del_cols)`."""
+def make_loss(
+    step: Callable,
+    wrap: Callable = lambda a: a,
+    unwrap=lambda b: b,
+    scan: Callable = lax.scan,
+):
+    """`loss(p, init, target, xs, ins_rows, ins_cols, del_rows, del_cols)`; `scan` is
+    `lax.scan` unless given (`esb.scan`, say)."""
 
     def loss(p, init, target, xs, ins_rows, ins_cols, del_rows, del_cols):
         values = jnp.sin(p * xs)
-        buf, _ = lax.scan(
+        buf, _ = scan(
             step, wrap(init), (values, ins_rows, ins_cols, del_rows, del_cols)
         )
         final = unwrap(buf)[: target.shape[0]]

@@ -13,15 +13,11 @@ from jax import lax
 
 import eqx_shiftbuf as esb
 
+from .test_scan import _close
 
-RTOL = 1e-10
+
 N = 16  # buffer rows; the scan writes rows 0..L-1 and reads the last row unwritten
 L = 12
-
-
-def _close(a, b):
-    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
-        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=RTOL, atol=1e-12)
 
 
 def _body(w):
