@@ -9,7 +9,7 @@ import equinox as eqx
 import jax.numpy as jnp
 from jaxtyping import Array, ArrayLike
 
-from . import _ops
+from . import _ops, _tokens
 
 
 class ShiftBuffer(eqx.Module):
@@ -24,17 +24,34 @@ class ShiftBuffer(eqx.Module):
     [`eqx_shiftbuf.ShiftBuffer.from_array`][]; `.array` is its contents.
 
     The storage layout is private. At present it is the logical array itself: each
-    edit reads and writes one window or one line, in its own run-time loop (see
-    `eqx_shiftbuf._primitives`), and needs no padding or scratch space.
+    edit reads and writes one window or one line (see `eqx_shiftbuf._primitives`),
+    and needs no padding or scratch space.
+
+    **Index checks.** A traced index out of range in an edit (`insert`, `delete`,
+    `dynamic_update_slice`) is not raised at the edit: the buffer records it, and
+    the next read of the buffer (`.array`, `dynamic_slice`, `pop`) raises it,
+    through `equinox.error_if`, with the message of the first bad edit. A branch per
+    edit inside a loop costs as much as the edit itself on XLA:CPU; a recorded
+    error costs one scalar `select`. Whatever a bad edit did is never seen: every
+    way to see the contents raises first. The record is the scalar leaf `_error`
+    of the pytree (0: no error). It is a float32, not an integer, so that
+    `jax.grad` and `jax.jvp` accept a `ShiftBuffer` argument as they accept an
+    array (its gradient is always 0).
     """
 
     _storage: Array
     axis: int = eqx.field(static=True)
     fill: bool | int | float = eqx.field(static=True, default=0)
+    # The deferred index error: 0, or the code of the first bad edit's message (see
+    # `_ops.deferred_code`), as a float32 scalar. None: check every call at once (the buffers that
+    # `esb.scan` hands to a body for `buffers=`, which have nowhere to keep it).
+    _error: Array | None = None
 
     @classmethod
-    def _from_storage(cls, storage: Any, axis: int, fill: Any) -> "ShiftBuffer":
-        return cls(storage, axis, fill)
+    def _from_storage(
+        cls, storage: Any, axis: int, fill: Any, error: Any = None
+    ) -> "ShiftBuffer":
+        return cls(storage, axis, fill, error)
 
     @classmethod
     def from_array(
@@ -59,7 +76,7 @@ class ShiftBuffer(eqx.Module):
             raise ValueError("`array` must have at least one dimension; got a scalar.")
         ax = _ops.normalise_axis(axis, arr.ndim)
         fill = _ops._check_fill(fill, arr.dtype)
-        return cls(arr, ax, fill)
+        return cls(arr, ax, fill, jnp.zeros((), jnp.float32))
 
     @classmethod
     def zeros(
@@ -89,8 +106,18 @@ class ShiftBuffer(eqx.Module):
 
     @property
     def array(self) -> Array:
-        """The contents, an array of shape `self.shape`."""
-        return self._storage
+        """The contents, an array of shape `self.shape`.
+
+        Raises (through `equinox.error_if`) if an earlier edit had a traced index out
+        of range.
+        """
+        storage = _ops.raise_deferred(self._storage, self._error)
+        if storage is not self._storage and _tokens.same_trace(storage, self._storage):
+            # The checked storage replaces the old one in this buffer too, as a read
+            # does (`_ops.dynamic_slice`): the check writes it in place, so a later
+            # edit of the old value would copy it.
+            object.__setattr__(self, "_storage", storage)
+        return storage
 
     @property
     def shape(self) -> tuple[int, ...]:

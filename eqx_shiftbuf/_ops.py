@@ -6,6 +6,7 @@ time, through `equinox.error_if`), then binds one primitive from `_primitives`.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from typing import Any, NamedTuple, TYPE_CHECKING, TypeGuard, Union
 
@@ -106,35 +107,160 @@ class _Traced(NamedTuple):
 
 MODES = (None, "promise_in_bounds")
 
+# Deferred index errors (see `ShiftBuffer`): an edit records the code of its message,
+# an integer >= 1 (0 is "no error"; held in a float32, exact to 2**24), in the
+# buffer; a read raises it. Codes index this
+# process-wide, append-only list, so a read traced later can still name an edit
+# traced earlier, in another function.
+_DEFERRED_MESSAGES: list[str] = []
+_DEFERRED_CODES: dict[str, int] = {}
+_DEFERRED_NOTE = (
+    " (Raised at the first read of the ShiftBuffer after that edit: `.array`, "
+    "`dynamic_slice` or `pop`. Edits record a bad index in the buffer rather than "
+    "branch, which inside a loop would cost as much as the edit.)"
+)
+_DEFERRED_UNKNOWN = (
+    "An edit of this ShiftBuffer had an index out of range (an edit traced after "
+    "this read, so its message is not known here)."
+)
 
-def _raise_traced(entries: list[Any], mode: str | None) -> list[jax.Array]:
-    """Cast the entries to int32, with one run-time range check for all traced ones.
 
-    One `equinox.branched_error_if` per call, not one `error_if` per entry: each is a
-    conditional on the compiled step's critical path (on XLA:CPU, about 0.1 us each,
-    comparable to a whole small edit), and the branch index still picks the message
-    of the first entry out of range.
+def deferred_code(message: str) -> int:
+    """The code of a deferred error `message`, registering it on first use."""
+    code = _DEFERRED_CODES.get(message)
+    if code is None:
+        _DEFERRED_MESSAGES.append(message)
+        code = _DEFERRED_CODES[message] = len(_DEFERRED_MESSAGES)
+    return code
+
+
+def _may_be_set(error: Any) -> bool:
+    """False only for a record known, at trace time, to hold no error."""
+    if error is None:
+        return False
+    if isinstance(error, Tracer):
+        return True
+    return bool(np.any(np.asarray(error) != 0))
+
+
+def _deferred_messages() -> tuple[list[str], int]:
+    """(messages by code - 1, then the fallback; the largest valid index)."""
+    msgs = list(_DEFERRED_MESSAGES) + [_DEFERRED_UNKNOWN]
+    return msgs, len(msgs) - 1
+
+
+def _code_index(error: jax.Array, last: int) -> jax.Array:
+    """The message index of a (nonzero) record: its code - 1, within range."""
+    return jnp.clip(error.astype(jnp.int32) - 1, 0, last)
+
+
+def raise_deferred(storage: jax.Array, error: Any) -> jax.Array:
+    """`storage`, made to raise first (at run time) the error `error` records, if any.
+
+    The caller must use the returned storage in place of `storage` from then on.
+    """
+    if not _may_be_set(error):
+        return storage
+    msgs, last = _deferred_messages()
+    pred, index = error != 0, _code_index(error, last)
+    if os.environ.get("EQX_ON_ERROR", "raise") != "raise" or storage.size == 0:
+        # "nan" must poison the whole result, "breakpoint" stop before it: the plain
+        # form, which passes the storage through the error's conditional.
+        return eqx.branched_error_if(storage, pred, index, msgs)
+    checked = eqx.branched_error_if(error, pred, index, msgs)
+    return _after(storage, checked)
+
+
+@jax.custom_jvp
+def _after(storage: jax.Array, checked: jax.Array) -> jax.Array:
+    """`storage`, data-dependent on `checked` (a record that is 0 if the program goes
+    on), at the cost of rewriting a few elements in place.
+
+    Not `error_if(storage, ...)`: a conditional's result is a new buffer, so that
+    copies the whole storage, every step when `.array` is read inside a loop
+    (measured: 1 copy per step of the cache body at 1600 rows). Not a
+    `lax.optimization_barrier((storage, checked))` either: XLA drops a barrier's
+    unused output and with it the (pure) check. Writing back the first elements,
+    selected on `checked`, is an in-place write XLA cannot simplify away.
+    """
+    # The window spans 2 positions of every dimension that has them: XLA:CPU
+    # duplicates a write whose update has a lower "true rank" (ignoring unit
+    # dimensions) than the buffer, a single element say, into the next read of the
+    # buffer, which then reads the older buffer, unordered with this write: a copy
+    # (the `mixed` corpus body). The same reason as `_primitives._window2_edit`.
+    first = (0,) * storage.ndim
+    win = lax.dynamic_slice(storage, first, tuple(min(2, n) for n in storage.shape))
+    win = jnp.where(checked != 0, jnp.zeros_like(win), win)
+    return lax.dynamic_update_slice(storage, win, first)
+
+
+@_after.defjvp
+def _after_jvp(primals, tangents):
+    # The tangent is the storage's own: the write is an identity wherever the
+    # program goes on, so nothing is added to the tangent (or transposed) program.
+    storage, checked = primals
+    return _after(storage, checked), tangents[0]
+
+
+def _raise_traced(
+    entries: list[Any],
+    mode: str | None,
+    *,
+    op: str,
+    error: Any = None,
+    defer: bool = False,
+) -> tuple[list[jax.Array], Any]:
+    """Cast the entries to int32 and check the traced ones: `(indices, error)`.
+
+    `error` is the deferred-error record of the `ShiftBuffer` being accessed (None
+    for other buffers). With `defer` (an edit of a `ShiftBuffer`), an index out of
+    range is recorded in the returned `error`, at the cost of a scalar `select`.
+    Otherwise one `equinox.branched_error_if` checks this call's indices and the
+    record together: each is a conditional on the compiled step's critical path (on
+    XLA:CPU about as much as a whole small edit), so there is at most one per call,
+    and the branch index still picks the message of the first entry out of range.
     """
     if mode not in MODES:
         raise ValueError(f"`mode` must be None or 'promise_in_bounds'; got {mode!r}.")
     traced = [k for k, e in enumerate(entries) if isinstance(e, _Traced)]
+    values = [
+        e.value.astype(jnp.int32) if k in traced else e for k, e in enumerate(entries)
+    ]
     if mode == "promise_in_bounds":
-        return [
-            e.value.astype(jnp.int32) if k in traced else e
-            for k, e in enumerate(entries)
-        ]
-    if not traced:
-        return list(entries)
-    bad = jnp.stack([entries[k].bad for k in traced])
-    first = jnp.argmax(bad)
-    values = [entries[k].value for k in traced]
-    values = eqx.branched_error_if(
-        values, jnp.any(bad), first, [entries[k].message for k in traced]
+        return values, error
+    if defer and error is not None:
+        if traced:
+            code = jnp.zeros((), error.dtype)
+            for k in reversed(traced):
+                message = f"esb.{op}: {entries[k].message}{_DEFERRED_NOTE}"
+                new = jnp.asarray(deferred_code(message), error.dtype)
+                code = jnp.where(entries[k].bad, new, code)
+            # No tangent: the record is data about indices, not a value.
+            error = lax.stop_gradient(jnp.where(error != 0, error, code))
+        return values, error
+    bads = [entries[k].bad for k in traced]
+    msgs = [entries[k].message for k in traced]
+    pending = _may_be_set(error)
+    if pending:
+        recorded, last = _deferred_messages()
+        bads.append(error != 0)
+        own = len(msgs)
+        msgs += recorded
+    if not bads:
+        return values, error
+    bad = jnp.stack(bads)
+    index = jnp.argmax(bad)
+    if pending:
+        index = jnp.where(index == own, own + _code_index(error, last), index)
+    # The check is threaded into this call's traced indices (all of them when none
+    # is traced but a recorded error is), so the access waits for it.
+    through = traced or list(range(len(values)))
+    checked = eqx.branched_error_if(
+        [values[k] for k in through], jnp.any(bad), index, msgs
     )
-    out = list(entries)
-    for k, v in zip(traced, values):
-        out[k] = v.astype(jnp.int32)
-    return out
+    for k, v in zip(through, checked):
+        values[k] = v
+    return values, error
 
 
 def _index_entries(index: Any, argname: str, count: int, what: str) -> list[Any]:
@@ -160,8 +286,15 @@ def check_index(
     axis: int,
     mode: str | None = None,
     argname: str = "index",
-) -> list[jax.Array]:
-    """An insert/delete/pop index: one entry per dimension up to and including `axis`."""
+    *,
+    op: str,
+    error: Any = None,
+    defer: bool = False,
+) -> tuple[list[jax.Array], Any]:
+    """An insert/delete/pop index: one entry per dimension up to and including `axis`.
+
+    Returns the indices and the buffer's deferred-error record (see `_raise_traced`).
+    """
     entries = _index_entries(
         index, argname, axis + 1, f"one per dimension up to and including axis {axis}"
     )
@@ -171,6 +304,9 @@ def check_index(
             for k, i in enumerate(entries)
         ],
         mode,
+        op=op,
+        error=error,
+        defer=defer,
     )
 
 
@@ -180,7 +316,11 @@ def check_starts(
     sizes: Sequence[int],
     argname: str,
     mode: str | None = None,
-) -> list[jax.Array]:
+    *,
+    op: str,
+    error: Any = None,
+    defer: bool = False,
+) -> tuple[list[jax.Array], Any]:
     """Start indices of a window of `sizes` that must lie inside `shape`."""
     entries = _index_entries(starts, argname, len(shape), "one per buffer dimension")
     return _raise_traced(
@@ -189,6 +329,9 @@ def check_starts(
             for k, i in enumerate(entries)
         ],
         mode,
+        op=op,
+        error=error,
+        defer=defer,
     )
 
 
@@ -295,10 +438,15 @@ def _base_token(storage: Any, arrays: Sequence[Any]) -> jax.Array:
     return P.opaque_zero(lax.stop_gradient(storage.reshape(-1)[:1]))
 
 
-def _rebuild(x: Any, storage: Any) -> Any:
+def _error_of(x: Any) -> Any:
+    """A `ShiftBuffer`'s deferred-error record; None for any other buffer."""
+    return x._error if isinstance(x, ShiftBufferType()) else None
+
+
+def _rebuild(x: Any, storage: Any, error: Any = None) -> Any:
     SB = ShiftBufferType()
     if isinstance(x, SB):
-        return SB._from_storage(storage, x.axis, x.fill)
+        return SB._from_storage(storage, x.axis, x.fill, error)
     return storage
 
 
@@ -356,8 +504,12 @@ def dynamic_slice(
       through `equinox.error_if`. `"promise_in_bounds"` skips that check, as the
       mode of that name does for `jax.numpy`'s `.at[...]`: you promise that every
       index is in range, and a traced index out of range then gives an unspecified
-      result. The check costs a conditional per call, which on XLA:CPU is about as
-      much as a small edit itself. Python-int indices are always checked.
+      result. Python-int indices are always checked. A read's check is one
+      conditional per call (on XLA:CPU about as much as a small edit); it also
+      raises an error that an earlier edit of the `ShiftBuffer` recorded. An edit
+      of a `ShiftBuffer` (`insert`, `delete`, `dynamic_update_slice`) records a bad
+      index in the buffer instead, for the next read to raise: no conditional (see
+      [`eqx_shiftbuf.ShiftBuffer`][]). On other buffers every call checks at once.
 
     **Returns:**
 
@@ -367,7 +519,15 @@ def dynamic_slice(
         return x.dynamic_slice(start_indices, slice_sizes, mode=mode)
     storage, _, _ = _storage_and_axis(x, None, None)
     sizes = check_sizes(slice_sizes, storage.shape)
-    starts = check_starts(start_indices, storage.shape, sizes, "start_indices", mode)
+    starts, _ = check_starts(
+        start_indices,
+        storage.shape,
+        sizes,
+        "start_indices",
+        mode,
+        op="dynamic_slice",
+        error=_error_of(x),
+    )
     if _EqxBuffer and isinstance(x, _EqxBuffer):
         return lax.dynamic_slice(storage, starts, sizes)
     tok = _base_token(storage, starts)
@@ -418,14 +578,21 @@ def dynamic_update_slice(
                 f"{storage.shape} along dimension {k}."
             )
     upd = check_value(upd, upd.shape, storage.dtype, "update", "the window")
-    starts = check_starts(
-        start_indices, storage.shape, upd.shape, "start_indices", mode
+    starts, error = check_starts(
+        start_indices,
+        storage.shape,
+        upd.shape,
+        "start_indices",
+        mode,
+        op="dynamic_update_slice",
+        error=_error_of(x),
+        defer=True,
     )
     if _EqxBuffer and isinstance(x, _EqxBuffer):
         return x.at[_eqx_window_index(starts, upd.shape)].set(upd)
     tok = _base_token(storage, starts + [upd])
     new_storage, _ = P.bind_swap(storage, tok, upd, starts, read=False)
-    return _rebuild(x, new_storage)
+    return _rebuild(x, new_storage, error)
 
 
 def insert(
@@ -459,11 +626,13 @@ def insert(
     """
     _refuse_eqx_shift(x, "insert")
     storage, ax, _ = _storage_and_axis(x, axis, None)
-    idx = check_index(index, storage.shape, ax, mode)
+    idx, error = check_index(
+        index, storage.shape, ax, mode, op="insert", error=_error_of(x), defer=True
+    )
     vshape = storage.shape[ax + 1 :]
     val = check_value(value, vshape, storage.dtype, "value", f"x.shape[{ax}+1:]")
     tok = _base_token(storage, idx + [val])
-    return _rebuild(x, P.bind_insert(storage, tok, val, idx, ax))
+    return _rebuild(x, P.bind_insert(storage, tok, val, idx, ax), error)
 
 
 def pop(
@@ -496,8 +665,8 @@ def pop(
     `(buffer, removed)`: the buffer after the removal, of the same kind as `x`, and
     the removed element, of shape `x.shape[axis+1:]`.
     """
-    new_storage, removed = _pop(x, index, axis, fill, mode, read=True)
-    return _rebuild(x, new_storage), removed
+    new_storage, removed, error = _pop(x, index, axis, fill, mode, read=True)
+    return _rebuild(x, new_storage, error), removed
 
 
 def delete(
@@ -518,18 +687,31 @@ def delete(
 
     The buffer after the removal, of the same kind as `x`.
     """
-    new_storage, _ = _pop(x, index, axis, fill, mode, read=False)
-    return _rebuild(x, new_storage)
+    new_storage, _, error = _pop(x, index, axis, fill, mode, read=False)
+    return _rebuild(x, new_storage, error)
 
 
 def _pop(x, index, axis, fill, mode, read: bool):
-    """The shared body of `pop` and `delete`: `(new storage, removed)`."""
+    """The shared body of `pop` and `delete`: `(new storage, removed, error)`.
+
+    A `delete` of a `ShiftBuffer` defers its index check; a `pop` reads, so it
+    raises at once, together with any error an earlier edit recorded.
+    """
     _refuse_eqx_shift(x, "pop/delete")
     storage, ax, fill = _storage_and_axis(x, axis, fill)
     fill = _check_fill(fill, storage.dtype)
-    idx = check_index(index, storage.shape, ax, mode)
+    idx, error = check_index(
+        index,
+        storage.shape,
+        ax,
+        mode,
+        op="pop" if read else "delete",
+        error=_error_of(x),
+        defer=not read,
+    )
     tok = _base_token(storage, idx)
-    return P.bind_pop(storage, tok, idx, ax, fill, read=read)
+    new_storage, removed = P.bind_pop(storage, tok, idx, ax, fill, read=read)
+    return new_storage, removed, error
 
 
 def _check_fill(fill: Any, dtype: Any) -> Any:

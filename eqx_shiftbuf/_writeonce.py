@@ -206,7 +206,9 @@ def wrap(x: Any, check: bool) -> WriteOnceBuffer:
             "esb.scan: a leaf named in `buffers=` must be an array with at least one "
             f"dimension; got a scalar of dtype {arr.dtype}."
         )
-    buf = ShiftBuffer.from_array(arr, axis=0)
+    # No deferred-error record (`_error=None`): the body returns only the array, so
+    # its index checks are raised at each call.
+    buf = ShiftBuffer._from_storage(arr, 0, 0)
     if check:
         return WriteOnceBuffer(buf, jnp.zeros(arr.shape, jnp.int8), jnp.asarray(True))
     return WriteOnceBuffer(buf)

@@ -180,6 +180,141 @@ def test_traced_out_of_range_write_does_not_silently_corrupt_the_buffer():
         jax.block_until_ready(run(x, 3))
 
 
+# ---------------------------------------------------------------------------
+# A ShiftBuffer's edits record a bad traced index; its next read raises it.
+
+EDITS = ("insert", "delete", "dynamic_update_slice")
+READS = {
+    "array": lambda sb: sb.array,
+    "dynamic_slice": lambda sb: sb.dynamic_slice((0, 0), (1, 2)),
+    "pop": lambda sb: sb.pop((0, 0))[1],
+}
+
+
+def edit_message(op_name: str, pos: int) -> str:
+    _, argname, bounds = OPS[op_name]
+    return (
+        f"esb.{op_name}: `{argname}`[{pos}] is out of range: valid values are 0 to "
+        f"{bounds[pos]}."
+    )
+
+
+@requires_raise
+@pytest.mark.parametrize("read", list(READS))
+@pytest.mark.parametrize("op_name", EDITS)
+@pytest.mark.parametrize("pos, value", BAD_ENTRIES)
+def test_shift_buffer_edit_out_of_range_raises_at_the_next_read(
+    op_name, pos, value, read
+):
+    op, _, _ = OPS[op_name]
+    idx, _ = bad_index(op_name, pos, value)
+    run = jax.jit(lambda x, i: READS[read](op(esb.ShiftBuffer.from_array(x), i)))
+    with pytest.raises(RUNTIME_ERRORS, match=re.escape(edit_message(op_name, pos))):
+        jax.block_until_ready(run(buffer(), idx))
+
+
+@pytest.mark.parametrize("op_name", EDITS)
+def test_shift_buffer_edit_records_a_bad_index_instead_of_branching(op_name):
+    # The point of deferring: no conditional (and no callback) for an edit, so a
+    # loop of edits has none in its body; the read after the loop has the one check.
+    op, _, _ = OPS[op_name]
+
+    def edits(x, idx):
+        def step(sb, i):
+            return op(sb, (i[0], i[1])), None
+
+        sb, _ = lax.scan(step, esb.ShiftBuffer.from_array(x), idx)
+        return sb
+
+    idx = jnp.zeros((5, 2), jnp.int32)
+    edit_only = jax.jit(edits).lower(buffer(), idx).as_text()
+    assert "callback" not in edit_only and "case" not in edit_only
+    with_read = jax.jit(lambda x, i: edits(x, i).array).lower(buffer(), idx).as_text()
+    assert "callback" in with_read
+
+
+@requires_raise
+def test_the_recorded_error_survives_a_jit_boundary():
+    edit = jax.jit(lambda x, i: esb.ShiftBuffer.from_array(x).insert((i, 0), 1.0))
+    sb = edit(buffer(), jnp.int32(ROWS))  # no read yet, so no error yet
+    with pytest.raises(
+        (eqx.EquinoxTracetimeError, *RUNTIME_ERRORS),
+        match=re.escape(edit_message("insert", 0)),
+    ):
+        jax.block_until_ready(sb.array)
+
+
+@requires_raise
+def test_the_first_bad_edit_in_a_scan_is_the_one_reported():
+    # Step 1 deletes at a bad row, step 3 inserts at a bad column; an in-range
+    # read of the result names the delete.
+    rows = jnp.array([0, ROWS, 0, 0, 0], jnp.int32)
+    cols = jnp.array([0, 0, 0, CAPACITY + 1, 0], jnp.int32)
+
+    def run(x, rows, cols):
+        def step(sb, rc):
+            r, c = rc
+            sb = lax.cond(
+                c > CAPACITY,
+                lambda sb: sb.insert((r, c), 1.0),
+                lambda sb: sb.delete((r, 0)),
+                sb,
+            )
+            return sb, None
+
+        sb, _ = lax.scan(step, esb.ShiftBuffer.from_array(x), (rows, cols))
+        return sb.dynamic_slice((0, 0), (1, 2))
+
+    with pytest.raises(RUNTIME_ERRORS, match=re.escape(edit_message("delete", 0))):
+        jax.block_until_ready(jax.jit(run)(buffer(), rows, cols))
+
+
+@requires_raise
+def test_a_bad_edit_under_grad_raises():
+    def loss(x, i):
+        return (esb.ShiftBuffer.from_array(x).insert((i, 0), 1.0).array ** 2).sum()
+
+    with pytest.raises(RUNTIME_ERRORS, match=re.escape(edit_message("insert", 0))):
+        jax.block_until_ready(jax.jit(jax.grad(loss))(buffer(), jnp.int32(-1)))
+
+
+@requires_raise
+def test_a_bad_edit_in_one_batch_element_raises_under_vmap():
+    def read_after_edit(x, i):
+        return esb.ShiftBuffer.from_array(x).delete((i, 0)).array
+
+    rows = jnp.array([0, 1, ROWS], jnp.int32)
+    run = jax.jit(jax.vmap(read_after_edit, in_axes=(None, 0)))
+    with pytest.raises(RUNTIME_ERRORS, match=re.escape(edit_message("delete", 0))):
+        jax.block_until_ready(run(buffer(), rows))
+    good = run(buffer(), jnp.array([0, 1, 2], jnp.int32))
+    for k, r in enumerate([0, 1, 2]):
+        np.testing.assert_array_equal(
+            good[k], ref.delete(np.asarray(buffer()), (r, 0), axis=1)
+        )
+
+
+def test_in_range_edits_record_nothing():
+    def edits(x, i):
+        sb = esb.ShiftBuffer.from_array(x).insert((i, i), 1.0)
+        return sb.dynamic_update_slice(jnp.ones((1, 2)), (i, i)).delete((i, 0))
+
+    sb = jax.jit(edits)(buffer(), jnp.int32(1))
+    assert int(sb._error) == 0
+    expected = ref.insert(np.asarray(buffer()), (1, 1), 1.0, axis=1)
+    expected[1, 1:3] = 1.0
+    np.testing.assert_array_equal(sb.array, ref.delete(expected, (1, 0), axis=1))
+
+
+def test_a_promised_edit_records_nothing():
+    edit = jax.jit(
+        lambda x, i: esb.ShiftBuffer.from_array(x).delete(
+            (i, 0), mode="promise_in_bounds"
+        )
+    )
+    assert int(edit(buffer(), jnp.int32(ROWS))._error) == 0
+
+
 # 2**32 + 1 is 1 and -2**32 + 2 is 2 after a cast to int32: the range check must see
 # the index as given, not its int32 wrap-around.
 WRAPPING_INT64 = [

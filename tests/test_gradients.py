@@ -140,6 +140,32 @@ def test_shiftbuffer_grad_wrt_initial_contents_and_values():
         np.testing.assert_allclose(a, b, rtol=RTOL)
 
 
+def test_grad_and_jvp_take_a_shiftbuffer_argument_like_an_array():
+    # The buffer's deferred-error record is a leaf of its pytree; it must not stop
+    # jax.grad / jax.jvp from taking the buffer itself, and its derivative is 0.
+    def f(buf, v):
+        buf = buf.insert((0, 1), v).delete((1, 2))
+        return (buf.array**2).sum()
+
+    def g(arr, v):
+        arr = ref.jnp_insert(arr, (0, 1), v, 1)
+        arr = ref.jnp_pop(arr, (1, 2), 1)[0]
+        return (arr**2).sum()
+
+    x, v = _rand((2, 5), 0), jnp.float64(0.7)
+    buf = esb.ShiftBuffer.from_array(x)
+    gbuf, gv = jax.grad(f, (0, 1))(buf, v)
+    want_x, want_v = jax.grad(g, (0, 1))(x, v)
+    np.testing.assert_allclose(gbuf.array, want_x, rtol=RTOL)
+    np.testing.assert_allclose(gv, want_v, rtol=RTOL)
+    assert float(gbuf._error) == 0.0
+
+    tangent = esb.ShiftBuffer.from_array(_rand((2, 5), 1))
+    _, got = jax.jvp(f, (buf, v), (tangent, jnp.float64(1.0)))
+    _, want = jax.jvp(g, (x, v), (tangent.array, jnp.float64(1.0)))
+    np.testing.assert_allclose(got, want, rtol=RTOL)
+
+
 # -- through lax.scan of random edit sequences (overlapping, out-of-order indices)
 
 STEPS = 10
