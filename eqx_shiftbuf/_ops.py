@@ -149,7 +149,7 @@ def _deferred_messages() -> tuple[list[str], int]:
     return msgs, len(msgs) - 1
 
 
-def _code_index(error: jax.Array, last: int) -> jax.Array:
+def _code_index(error: Any, last: int) -> jax.Array:
     """The message index of a (nonzero) record: its code - 1, within range."""
     return jnp.clip(error.astype(jnp.int32) - 1, 0, last)
 
@@ -240,18 +240,21 @@ def _raise_traced(
         return values, error
     bads = [entries[k].bad for k in traced]
     msgs = [entries[k].message for k in traced]
-    pending = _may_be_set(error)
-    if pending:
+    own = len(msgs)
+    if _may_be_set(error):
+        # The recorded error is checked last, its messages after this call's own.
         recorded, last = _deferred_messages()
         bads.append(error != 0)
-        own = len(msgs)
         msgs += recorded
+        recorded_index = own + _code_index(error, last)
+    else:
+        recorded_index = None
     if not bads:
         return values, error
     bad = jnp.stack(bads)
     index = jnp.argmax(bad)
-    if pending:
-        index = jnp.where(index == own, own + _code_index(error, last), index)
+    if recorded_index is not None:
+        index = jnp.where(index == own, recorded_index, index)
     # The check is threaded into this call's traced indices (all of them when none
     # is traced but a recorded error is), so the access waits for it.
     through = traced or list(range(len(values)))

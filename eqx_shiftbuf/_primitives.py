@@ -37,9 +37,15 @@ much as a small edit. So:
   window*, its line and a neighbour (`_window2_edit`), which XLA does not
   duplicate; other ordered shifts and accumulations read in a loop first.
 
-Steps that only shift or overwrite thus have no loop in their forward pass; each
-value that leaves a write (a popped element, an inserted value's cotangent) and
-each read costs one small loop.
+- A pop's removed element (and so an inserted value's cotangent, whose transpose
+  is a pop) is read, unbatched, as a masked `max` over its line
+  (`_removed_by_reduce`): XLA materialises a reduction once rather than
+  duplicating it into its consumers, so no loop is needed, unless the storage
+  comes straight from another straight-line write.
+
+Steps that only shift or overwrite thus have no loop in their forward pass, and
+the first pop of a step, forward or transposed, needs none either; other values
+that leave a write and each window read cost one small loop.
 
 **Why reads return the storage.** `read_p` returns the storage it read from, and the
 caller uses that output afterwards. In the linearised program the storage tangent
@@ -361,14 +367,62 @@ def _insert_abstract(storage, tok, value, *idx, axis, ordered):
     return (storage,)
 
 
+def _reduce_readable(storage, size: int, axis: int) -> bool:
+    """Whether a pop can read its removed element with `_removed_by_reduce`:
+    unbatched, through a 2-line window (`_window2_edit`), a line of at least 2
+    elements (a reduction over 1 is simplified away), and a real or bool dtype."""
+    return (
+        size == 1
+        and axis >= 1
+        and storage.shape[axis - 1] >= 2
+        and storage.shape[axis] >= 2
+        and not jnp.issubdtype(storage.dtype, jnp.complexfloating)
+    )
+
+
+def _removed_by_reduce(line, col):
+    """`line[col]` (axis 0), read as a `max` over the line with every other element
+    masked to the dtype's lowest value: exact for every value (-0.0, inf and NaN
+    included).
+
+    A plain dynamic index is cheap, so XLA duplicates it into each of its consumers,
+    where it reads the storage unordered with respect to the shift that follows: a
+    copy (the single insert's gradient and the pop body). A reduction is
+    materialised once, and its consumers (the shift's index, through the token)
+    read its result. That replaces the loop a read otherwise needs (about as much
+    as a small edit on XLA:CPU).
+    """
+    pos = lax.broadcasted_iota(col.dtype, line.shape, 0)
+    dtype = line.dtype
+    if dtype == jnp.bool_:
+        low = jnp.asarray(False)
+    elif jnp.issubdtype(dtype, jnp.integer):
+        low = jnp.asarray(jnp.iinfo(dtype).min, dtype)
+    else:
+        low = jnp.asarray(-jnp.inf, dtype)
+    return jnp.max(jnp.where(pos == col, line, low), axis=0)
+
+
 def _pop_impl(storage, tok, *idx, axis, fill, read, ordered):
     bshape, size = _batch_size(idx)
     new_line = lambda j, line, col: _shift_left(line, col, fill)
     if not read:  # a delete: the removed elements are not wanted
         storage, _ = _shift(storage, tok, idx, axis, new_line, ordered)
         return storage, jnp.zeros(bshape + storage.shape[axis + 1 :], storage.dtype)
-    # The removed elements must be read before the write (DESIGN.md rule 2), and
-    # read from materialised lines: an ordered shift.
+    if not ordered and _reduce_readable(storage, size, axis):
+        # Read the removed element through a reduction, straight-line, then shift
+        # with the write depending on it (see `_removed_by_reduce`). Not after
+        # another straight-line write (`ordered`): XLA fuses the read into that
+        # write, as a read of the older storage (a copy in the `mixed` body's
+        # gradient under a checkpointed `esb.scan`).
+        start, line = _read_line(storage, list(idx), axis)
+        removed = _removed_by_reduce(line, idx[-1])
+        tok = tok + opaque_zero(removed)
+        body = lambda j, s, idx: _window2_edit(s, _element(idx, j), axis, new_line)
+        storage = _write(tok, size, body, storage, idx)
+        return storage, removed.reshape(bshape + storage.shape[axis + 1 :])
+    # Otherwise the removed elements are read before the write (DESIGN.md rule 2)
+    # from materialised lines: an ordered shift, its reads in a loop.
     storage, lines = _shift(storage, tok, idx, axis, new_line, True, True)
     cols = jnp.broadcast_to(idx[-1], bshape).reshape(size)
     removed = jax.vmap(lambda line, c: lax.dynamic_index_in_dim(line, c, 0, False))(

@@ -167,6 +167,44 @@ def test_fill_value_is_shifted_in():
     )
 
 
+# Values a masked read could get wrong: the sign of zero, infinities, NaN, the most
+# negative integer (a pop reads its element as a masked `max` over the line).
+SPECIAL = [
+    pytest.param(jnp.float32, -0.0, id="f32--0.0"),
+    pytest.param(jnp.float32, -np.inf, id="f32--inf"),
+    pytest.param(jnp.float32, np.inf, id="f32-inf"),
+    pytest.param(jnp.float32, np.nan, id="f32-nan"),
+    pytest.param(jnp.bfloat16, -0.0, id="bf16--0.0"),
+    pytest.param(jnp.float64, -np.inf, id="f64--inf"),
+    pytest.param(jnp.int32, np.iinfo(np.int32).min, id="i32-min"),
+    pytest.param(jnp.uint8, 0, id="u8-0"),
+    pytest.param(jnp.bool_, False, id="bool-False"),
+]
+
+
+@pytest.mark.parametrize("dtype, value", SPECIAL)
+@pytest.mark.parametrize("others", ["same", "nan"], ids=["others-same", "others-nan"])
+def test_pop_returns_any_value_bit_for_bit(dtype, value, others):
+    # Jitted and traced: the run-time path. The line around the element holds the
+    # same value or (for floats) NaN.
+    if others == "nan" and not jnp.issubdtype(dtype, jnp.floating):
+        pytest.skip("NaN neighbours are for floating dtypes")
+    fill = value if others == "same" else np.nan
+    a = np.full((3, 5), fill, dtype=jnp.dtype(dtype))
+    a[1, 2] = np.asarray(value, jnp.dtype(dtype))
+
+    @jax.jit
+    def pop(x, r, c):
+        return esb.ShiftBuffer.from_array(x).pop((r, c))
+
+    buf, got = pop(jnp.asarray(a), jnp.int32(1), jnp.int32(2))
+    expected, want = ref.pop(a, (1, 2), 1)
+    got, want = np.asarray(got), np.asarray(want)
+    assert got.dtype == want.dtype
+    assert got.tobytes() == want.tobytes(), (got, want)
+    np.testing.assert_array_equal(np.asarray(buf.array), expected)
+
+
 # -- the same inside a jitted lax.scan, with traced, overlapping, out-of-order indices
 
 STEPS = 12
