@@ -63,8 +63,9 @@ class LoopCopy:
     def __str__(self) -> str:
         where = f" at {self.source}" if self.source else ""
         op = f" from {self.op_name}" if self.op_name else ""
+        what = "copy" if "out-of-place" not in self.op_name else "rewrite"
         return (
-            f"copy of {self.shape} ({self.nbytes} bytes) in loop computation "
+            f"{what} of {self.shape} ({self.nbytes} bytes) in loop computation "
             f"{self.computation!r}{op}{where}"
         )
 
@@ -137,6 +138,49 @@ def _parse(hlo: str) -> dict[str, list[str]]:
     return comps
 
 
+_DUS = re.compile(r"dynamic-update-slice\(([^)]*)\)")
+_DS = re.compile(r"dynamic-slice\(([^)]*)\)")
+
+
+def _out_of_place_write(fused: list[str]) -> bool:
+    """Whether a fused computation rooted at `dynamic-update-slice` cannot write its
+    operand in place.
+
+    XLA shares the operand's buffer with such a fusion's output only if, inside the
+    fusion, the operand is read by nothing but `dynamic-slice`s at the write's own
+    indices. Otherwise the fusion writes its whole output, every call, and no
+    `copy` instruction shows it (a read of the operand through a static `slice`,
+    say: XLA turns a `dynamic-slice` at constant indices into one).
+    """
+    instrs: dict[str, str] = {}
+    root_name = None
+    for line in fused:
+        m = _INSTR.match(line)
+        if m:
+            instrs[m.group(1)] = m.group(2)
+            if line.startswith("ROOT"):
+                root_name = m.group(1)
+    if root_name is None:
+        return False
+    root = instrs[root_name]
+    dus = _DUS.search(root)
+    if dus is None or not root.split("(", 1)[0].strip().endswith(
+        "dynamic-update-slice"
+    ):
+        return False
+    operands = _OPERANDS.findall(dus.group(1))
+    if not operands or "parameter(" not in instrs.get(operands[0], ""):
+        return False
+    target, indices = operands[0], operands[2:]
+    for name, text in instrs.items():
+        if name == root_name or target not in _OPERANDS.findall(text.split("(", 1)[-1]):
+            continue
+        ds = _DS.search(text)
+        if ds is None or _OPERANDS.findall(ds.group(1)) != [target, *indices]:
+            return True
+    return False
+
+
 def _nbytes(shape_text: str) -> tuple[int, str]:
     """Largest array in an HLO shape (a tuple for `copy-start`), and its text."""
     best, text = 0, shape_text
@@ -204,6 +248,24 @@ def loop_copies_in_hlo(hlo: str, min_bytes: int = 1 << 16) -> list[LoopCopy]:
             if m:
                 instrs[m.group(1)] = line
         for line in comps[comp]:
+            m = _INSTR.match(line)
+            callee = _CALLEE.search(line) if _FUSION.search(line) else None
+            if m is None or callee is None or callee.group(1) not in comps:
+                continue
+            nbytes, shape = _nbytes(m.group(2).split("fusion(")[0])
+            if nbytes >= min_bytes and _out_of_place_write(comps[callee.group(1)]):
+                op_name, source = origin(line)
+                out.append(
+                    LoopCopy(
+                        computation=comp,
+                        instruction=m.group(1),
+                        shape=shape,
+                        nbytes=nbytes,
+                        op_name=f"(out-of-place write) {op_name}",
+                        source=source,
+                    )
+                )
+        for line in comps[comp]:
             m = _COPY.match(line)
             if m is None:
                 continue
@@ -267,7 +329,11 @@ def find_loop_copies(
     `lax.fori_loop` and `esb.scan` compile to), or inside a computation such a body
     calls, means XLA could not update that buffer in place: every iteration pays for
     the whole buffer. This finds `copy` and `copy-start` instructions of at least
-    `min_bytes` in loop bodies, after XLA's optimisations.
+    `min_bytes` in loop bodies, after XLA's optimisations, and fusions that write
+    such a buffer with `dynamic-update-slice` but cannot do it in place (inside the
+    fusion, the buffer is also read other than by a `dynamic-slice` at the write's
+    indices), which rewrite the whole buffer with no `copy` to show for it. Those
+    are reported with `op_name` starting `"(out-of-place write)"`.
 
     **Arguments:**
 

@@ -173,6 +173,35 @@ def test_detector_finds_nothing_in_read_after_write_pop():
     assert esb.find_loop_copies(_scan(_pop_read_after_write), *_pop_args()) == []
 
 
+def _rewrite_corner(start):
+    # Read a 2x2 corner and write it back selected on the step's input: at a
+    # constant start XLA reads it through a static `slice`, and the fusion that
+    # writes the buffer is then not in place (it rewrites the whole buffer every
+    # step, with no `copy` instruction); at a run-time start it is in place.
+    def step(c, x):
+        s = start(x)
+        corner = lax.dynamic_slice(c, (s, s), (2, 2))
+        corner = jnp.where(x[1] > 1, 0.0, corner)
+        return lax.dynamic_update_slice(c, corner, (s, s)), None
+
+    return step
+
+
+def test_detector_reports_a_write_that_is_not_in_place():
+    copies = esb.find_loop_copies(
+        _scan(_rewrite_corner(lambda x: jnp.int32(0))), *_pop_args()
+    )
+    assert len(copies) == 1
+    assert copies[0].shape == f"f32[{ROWS},{COLS}]"
+    assert "out-of-place write" in copies[0].op_name
+    assert str(copies[0]).startswith("rewrite of f32")
+
+
+def test_detector_accepts_an_in_place_read_modify_write():
+    step = _rewrite_corner(lambda x: x[0])
+    assert esb.find_loop_copies(_scan(step), *_pop_args()) == []
+
+
 def test_detector_ignores_small_copies():
     copies = esb.find_loop_copies(
         _scan(_pop_read_before_write), *_pop_args(), min_bytes=ROWS * COLS * 4 + 1
