@@ -44,8 +44,10 @@ F = 8  # feature size of the stack body
 class Ops:
     """The buffer operations of one implementation.
 
-    `wrap(array, axis)` makes a carry from an array and `unwrap(carry)` returns its
-    contents; `insert`, `delete`, `pop`, `dynamic_slice` and `dynamic_update_slice`
+    `wrap(array, axis)` makes a carry from an array, `unwrap(carry)` returns its
+    contents and `shape(carry)` their shape (a body that needs only the shape asks
+    for it: reading a `ShiftBuffer`'s contents raises its recorded index errors,
+    one check per call); `insert`, `delete`, `pop`, `dynamic_slice` and `dynamic_update_slice`
     have the semantics of the functions of the same name in `eqx_shiftbuf`.
     """
 
@@ -57,6 +59,7 @@ class Ops:
     pop: Callable[..., Any]
     dynamic_slice: Callable[..., Any]
     dynamic_update_slice: Callable[..., Any]
+    shape: Callable[[Any], tuple[int, ...]] = lambda b: tuple(b.shape)
 
 
 def _esb_ops(mode: str | None) -> Ops:
@@ -84,6 +87,10 @@ class _Plain:
 
     def __init__(self, array, axis):
         self.array, self.axis = array, axis
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.array.shape)
 
 
 jax.tree_util.register_pytree_node(
@@ -164,14 +171,14 @@ def _window_col(b_cols, c):
 
 
 def dynamic_update_slice(ops, b, x, p):
-    cols = ops.unwrap(b).shape[1]
+    cols = ops.shape(b)[1]
     upd = jnp.tanh(p["s"] * x["v"] + jnp.arange(K, dtype=jnp.float32))[None]
     start = (x["r"][0], _window_col(cols, x["c"][0]))
     return ops.dynamic_update_slice(b, upd.astype(p["s"].dtype), start), _zero()
 
 
 def slice_matmul_write(ops, b, x, p):
-    cols = ops.unwrap(b).shape[1]
+    cols = ops.shape(b)[1]
     w = ops.dynamic_slice(b, (x["r"][0], _window_col(cols, x["c"][0])), (1, K))
     h = jnp.tanh(w @ p["W"])
     b = ops.dynamic_update_slice(b, h, (x["r"][1], _window_col(cols, x["c"][1])))
@@ -205,7 +212,7 @@ def stack_push_pop(ops, b, x, p):
 def kv_cache_attention(ops, b, x, p):
     # `b` is a (length, d) cache; each step writes one entry at a moving position
     # (wrapping around, so entries are overwritten) and attends over the whole cache.
-    length, d = ops.unwrap(b).shape
+    length, d = ops.shape(b)
     pos = x["t"] % length
     ar = jnp.arange(d, dtype=p["s"].dtype)
     entry = jnp.tanh(p["s"] * x["v"] + ar)[None]
@@ -219,7 +226,7 @@ def kv_cache_attention(ops, b, x, p):
 def mixed(ops, b, x, p):
     # DESIGN.md rule 5: insert, read a window, compute, pop, insert a value built
     # from the read and the popped value.
-    cols = ops.unwrap(b).shape[1]
+    cols = ops.shape(b)[1]
     b = ops.insert(b, (x["r"][0], x["c"][0]), jnp.sin(p["s"] * x["v"]))
     w = ops.dynamic_slice(b, (x["r"][1], _window_col(cols, x["c"][1])), (1, K))
     b, removed = ops.pop(b, (x["r"][1], x["c"][1]))
