@@ -527,6 +527,8 @@ def dynamic_slice(
       of a `ShiftBuffer` (`insert`, `delete`, `dynamic_update_slice`) records a bad
       index in the buffer instead, for the next read to raise: no conditional (see
       [`eqx_shiftbuf.ShiftBuffer`][]). On other buffers every call checks at once.
+      A `"promise_in_bounds"` call makes no check at all: it neither records nor
+      raises a recorded error.
 
     **Returns:**
 
