@@ -43,8 +43,9 @@ class ShiftBuffer(eqx.Module):
     axis: int = eqx.field(static=True)
     fill: bool | int | float = eqx.field(static=True, default=0)
     # The deferred index error: 0, or the code of the first bad edit's message (see
-    # `_ops.deferred_code`), as a float32 scalar. None: check every call at once (the buffers that
-    # `esb.scan` hands to a body for `buffers=`, which have nowhere to keep it).
+    # `_ops.deferred_code`), as a float32 scalar. None: check every call at once
+    # (the buffers that `esb.scan` hands to a body for `buffers=`, which have
+    # nowhere to keep it).
     _error: Array | None = None
 
     @classmethod

@@ -109,9 +109,8 @@ MODES = (None, "promise_in_bounds")
 
 # Deferred index errors (see `ShiftBuffer`): an edit records the code of its message,
 # an integer >= 1 (0 is "no error"; held in a float32, exact to 2**24), in the
-# buffer; a read raises it. Codes index this
-# process-wide, append-only list, so a read traced later can still name an edit
-# traced earlier, in another function.
+# buffer; a read raises it. Codes index this process-wide, append-only list, so a
+# read traced later can still name an edit traced earlier, in another function.
 _DEFERRED_MESSAGES: list[str] = []
 _DEFERRED_CODES: dict[str, int] = {}
 _DEFERRED_NOTE = (

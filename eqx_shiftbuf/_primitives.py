@@ -415,7 +415,7 @@ def _pop_impl(storage, tok, *idx, axis, fill, read, ordered):
         # another straight-line write (`ordered`): XLA fuses the read into that
         # write, as a read of the older storage (a copy in the `mixed` body's
         # gradient under a checkpointed `esb.scan`).
-        start, line = _read_line(storage, list(idx), axis)
+        _, line = _read_line(storage, list(idx), axis)
         removed = _removed_by_reduce(line, idx[-1])
         tok = tok + opaque_zero(removed)
         body = lambda j, s, idx: _window2_edit(s, _element(idx, j), axis, new_line)

@@ -47,8 +47,9 @@ class Ops:
     `wrap(array, axis)` makes a carry from an array, `unwrap(carry)` returns its
     contents and `shape(carry)` their shape (a body that needs only the shape asks
     for it: reading a `ShiftBuffer`'s contents raises its recorded index errors,
-    one check per call); `insert`, `delete`, `pop`, `dynamic_slice` and `dynamic_update_slice`
-    have the semantics of the functions of the same name in `eqx_shiftbuf`.
+    one check per call); `insert`, `delete`, `pop`, `dynamic_slice` and
+    `dynamic_update_slice` have the semantics of the functions of the same name in
+    `eqx_shiftbuf`.
     """
 
     name: str

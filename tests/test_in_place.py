@@ -14,7 +14,7 @@ import pytest
 from jax import lax
 
 import eqx_shiftbuf as esb
-from eqx_shiftbuf import corpus
+from eqx_shiftbuf import _inspect, corpus
 
 
 ROWS, COLS, STEPS, K = 64, 512, 8, 16
@@ -91,6 +91,25 @@ def test_no_per_iteration_copies(name, mode, x64):
         fn = corpus.program(mode, _loss(STEPS_BY_NAME[name]))
         copies = esb.find_loop_copies(fn, *_inputs(), min_bytes=MIN_BYTES)
     assert copies == [], "\n".join(map(str, copies))
+
+
+@pytest.mark.parametrize(
+    "name, mode", [("pop", "forward"), ("insert", "grad")], ids=["pop", "insert-grad"]
+)
+def test_a_steps_first_pop_needs_no_inner_loop(name, mode):
+    # A step's first pop (forward, or the transposed pop of an insert's gradient)
+    # reads its element through a reduction: the compiled scan has no `while` loop
+    # inside its loop bodies, only the scans themselves.
+    fn = corpus.program(mode, _loss(STEPS_BY_NAME[name]))
+    hlo = jax.jit(fn).lower(*_inputs()).compile().as_text()
+    comps = _inspect._parse(hlo)
+    bodies = {
+        b for text in comps.values() for b in _inspect._BODY.findall(" ".join(text))
+    }
+    assert bodies
+    for body in bodies:
+        nested = [line for line in comps[body] if " while(" in line]
+        assert nested == [], f"{body}: {nested}"
 
 
 class _PlainBuffer:
