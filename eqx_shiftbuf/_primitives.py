@@ -27,25 +27,28 @@ much as a small edit. So:
   that access depends on the read.
 - *Writes* run straight-line, the same operations plain `lax` code would use, with
   the pending token added to an index they really use (`_free_dim`).
-- A shift or accumulation whose storage comes straight from another straight-line
-  write (`_tokens.written`) must not have its read fused with that write: XLA was
-  seen to turn such a read into a read of the older buffer, unordered with respect
-  to that write (three inserts in one step copied twice, in the forward pass as in
-  plain `lax`). XLA:CPU does that when the write's update is a single line (it then
-  counts as "effectively unary" and is duplicated into its consumers). So an
-  unbatched shift on a buffer with at least two lines reads and writes a *2-line
-  window*, its line and a neighbour (`_window2_edit`), which XLA does not
-  duplicate; other ordered shifts and accumulations read in a loop first.
-
+- *Every unbatched write spans two elements of each dimension of the buffer that
+  has two*: a shift reads and writes a *2-line window*, its line and a neighbour
+  (`_window2_edit`), and an accumulation or overwrite a window widened to 2 where
+  it is 1 wide (`_widened_write`), taking only its own elements from the new
+  values. XLA:CPU duplicates a write whose update has fewer non-unit dimensions
+  than the buffer (it counts as "effectively unary") into the next read of the
+  buffer, turning that read into a read of the older buffer, unordered with
+  respect to the write: the write copies (three inserts in one step copied twice,
+  as in plain `lax`; an accumulation followed by a pop, twice, in the `mixed`
+  body's gradient). A widened write is not duplicated, so a read that follows a
+  write in the same step needs no loop for that.
 - A pop's removed element (and so an inserted value's cotangent, whose transpose
-  is a pop) is read, unbatched, as a masked `max` over its line
+  is a pop) is read, unbatched, as a masked `max` over two elements of its line
   (`_removed_by_reduce`): XLA materialises a reduction once rather than
-  duplicating it into its consumers, so no loop is needed, unless the storage
-  comes straight from another straight-line write.
+  duplicating it into its consumers, so no loop is needed.
+- A tangent or cotangent access does not take the primal access's token
+  (`_untied`): it orders a different buffer, and as an operand of the tangent
+  access it would be a residual saved every step.
 
-Steps that only shift or overwrite thus have no loop in their forward pass, and
-the first pop of a step, forward or transposed, needs none either; other values
-that leave a write and each window read cost one small loop.
+Steps that only shift, pop or overwrite thus have no loop in their forward or
+backward pass; a window read (and a swap that returns the old window) costs one
+small loop.
 
 **Why reads return the storage.** `read_p` returns the storage it read from, and the
 caller uses that output afterwards. In the linearised program the storage tangent
@@ -95,8 +98,14 @@ def opaque_zero(x: Any) -> jax.Array:
 
 
 def _loop(tok, size: int, body: Callable, state):
-    """Run `body(j, state)` for `j` in `range(size)` in a loop XLA can't unroll."""
-    n = jnp.int32(size) + tok
+    """Run `body(j, state)` for `j` in `range(size)` in a loop XLA can't unroll.
+
+    `state`'s first leaf is the storage. Its first element adds a run-time zero to
+    the trip count: a tangent or cotangent access gets a constant `tok`
+    (`_untied`), and XLA removes a loop whose trip count it knows to be 1.
+    """
+    anchor = jax.tree.leaves(state)[0]
+    n = jnp.int32(size) + tok + opaque_zero(anchor.reshape(-1)[:1])
     return lax.fori_loop(jnp.int32(0), n, body, state)
 
 
@@ -160,6 +169,42 @@ def _line_start(idx: Sequence[jax.Array], ndim: int) -> list:
     return list(idx[:-1]) + [zero] * (ndim - len(idx) + 1)
 
 
+def _widened_write(s, st, sizes, new_window):
+    """`s` with the window `s[st : st + sizes]` replaced by `new_window(window)`,
+    through a window 2 wide in every dimension where `sizes` is 1 and `s` is not.
+
+    XLA:CPU duplicates a write whose update has fewer non-unit dimensions than the
+    buffer into the next read of the buffer, turning that read into a read of the
+    older buffer, unordered with respect to the write: the write then copies (as for
+    the shifts, `_window2_edit`). `new_window` is applied elementwise to the wide
+    window, and only the window's own elements are taken from it.
+    """
+    shape = s.shape
+    starts, wide, offs = [], [], []
+    for i, n, m in zip(st, sizes, shape, strict=True):
+        if n == 1 and m >= 2:
+            i0 = jnp.minimum(i, m - 2)
+            starts.append(i0)
+            wide.append(2)
+            offs.append(i - i0)
+        else:
+            starts.append(i)
+            wide.append(n)
+            offs.append(None)
+    if tuple(wide) == tuple(sizes):
+        old = lax.dynamic_slice(s, starts, sizes)
+        return lax.dynamic_update_slice(s, new_window(old).astype(s.dtype), starts)
+    big = lax.dynamic_slice(s, starts, wide)
+    mask = None
+    for d, k in enumerate(offs):
+        if k is not None:
+            m_d = lax.broadcasted_iota(k.dtype, tuple(wide), d) == k
+            mask = m_d if mask is None else mask & m_d
+    assert mask is not None  # some dimension was widened
+    new = jnp.where(mask, new_window(big).astype(s.dtype), big)
+    return lax.dynamic_update_slice(s, new, starts)
+
+
 def _line_sizes(shape: tuple[int, ...], axis: int) -> tuple[int, ...]:
     return (1,) * axis + tuple(shape[axis:])
 
@@ -209,13 +254,15 @@ def _accum_impl(storage, tok, window, *starts, ordered):
     bshape, size = _batch_size(starts)
     window = _flat(window, bshape)
     olds = None
-    if ordered:  # as in `_shift`: read the old windows in a loop first
+    if ordered and size != 1:  # as in `_shift`: read the old windows in a loop first
         storage, olds, tok = _read_impl(storage, tok, *starts, sizes=window.shape[1:])
         olds = _flat(olds, bshape)
 
     def body(j, s, starts):
         st = _element(starts, j)
         w = _take(window, j)
+        if olds is None and size == 1:
+            return _widened_write(s, st, w.shape, lambda old: old + w)
         old = lax.dynamic_slice(s, st, w.shape) if olds is None else _take(olds, j)
         return lax.dynamic_update_slice(s, old + w, st)
 
@@ -240,7 +287,10 @@ def _swap_impl(storage, tok, update, *starts, read):
         old = jnp.zeros(bshape + update.shape[1:], update.dtype)
 
     def body(j, s, starts):
-        return lax.dynamic_update_slice(s, _take(update, j), _element(starts, j))
+        u = _take(update, j)
+        if size == 1:
+            return _widened_write(s, _element(starts, j), u.shape, lambda old: u)
+        return lax.dynamic_update_slice(s, u, _element(starts, j))
 
     at = _free_dim(update.shape[1:], storage.shape)
     storage = _write(tok, size, body, storage, starts, at)
@@ -380,27 +430,36 @@ def _reduce_readable(storage, size: int, axis: int) -> bool:
     )
 
 
-def _removed_by_reduce(line, col):
-    """`line[col]` (axis 0), read as a `max` over the line with every other element
-    masked to the dtype's lowest value: exact for every value (-0.0, inf and NaN
-    included).
+def _removed_by_reduce(s, idx, axis):
+    """`s[idx]` (the element at `idx[-1]` along `axis`, a value of shape
+    `s.shape[axis + 1:]`), read as a `max` over the two elements at `c0` and `c0 + 1`
+    along `axis` (`c0 = min(idx[-1], n - 2)`), the other one masked to the dtype's
+    lowest value: exact for every value (-0.0, inf and NaN included).
 
     A plain dynamic index is cheap, so XLA duplicates it into each of its consumers,
     where it reads the storage unordered with respect to the shift that follows: a
     copy (the single insert's gradient and the pop body). A reduction is
     materialised once, and its consumers (the shift's index, through the token)
     read its result. That replaces the loop a read otherwise needs (about as much
-    as a small edit on XLA:CPU).
+    as a small edit on XLA:CPU). Two elements, not the line: XLA:CPU splits a
+    reduction of more than 32 elements into two kernels (a `reduce-window`, then
+    a `reduce`), and a reduction over one element is simplified away.
     """
-    pos = lax.broadcasted_iota(col.dtype, line.shape, 0)
-    dtype = line.dtype
+    col = idx[-1]
+    c0 = jnp.minimum(col, s.shape[axis] - 2)
+    zero = jnp.zeros_like(col)
+    start = list(idx[:-1]) + [c0] + [zero] * (s.ndim - axis - 1)
+    sizes = (1,) * axis + (2,) + tuple(s.shape[axis + 1 :])
+    pair = lax.dynamic_slice(s, start, sizes).reshape(sizes[axis:])
+    pos = lax.broadcasted_iota(col.dtype, pair.shape, 0)
+    dtype = pair.dtype
     if dtype == jnp.bool_:
         low = jnp.asarray(False)
     elif jnp.issubdtype(dtype, jnp.integer):
         low = jnp.asarray(jnp.iinfo(dtype).min, dtype)
     else:
         low = jnp.asarray(-jnp.inf, dtype)
-    return jnp.max(jnp.where(pos == col, line, low), axis=0)
+    return jnp.max(jnp.where(pos == col - c0, pair, low), axis=0)
 
 
 def _pop_impl(storage, tok, *idx, axis, fill, read, ordered):
@@ -409,14 +468,13 @@ def _pop_impl(storage, tok, *idx, axis, fill, read, ordered):
     if not read:  # a delete: the removed elements are not wanted
         storage, _ = _shift(storage, tok, idx, axis, new_line, ordered)
         return storage, jnp.zeros(bshape + storage.shape[axis + 1 :], storage.dtype)
-    if not ordered and _reduce_readable(storage, size, axis):
+    if _reduce_readable(storage, size, axis):
         # Read the removed element through a reduction, straight-line, then shift
-        # with the write depending on it (see `_removed_by_reduce`). Not after
-        # another straight-line write (`ordered`): XLA fuses the read into that
-        # write, as a read of the older storage (a copy in the `mixed` body's
-        # gradient under a checkpointed `esb.scan`).
-        _, line = _read_line(storage, list(idx), axis)
-        removed = _removed_by_reduce(line, idx[-1])
+        # with the write depending on it (see `_removed_by_reduce`). This holds
+        # after another straight-line write too (`ordered`), since every unbatched
+        # write spans two elements of each non-unit dimension (`_window2_edit`,
+        # `_widened_write`) and so is not fused into the read.
+        removed = _removed_by_reduce(storage, list(idx), axis)
         tok = tok + opaque_zero(removed)
         body = lambda j, s, idx: _window2_edit(s, _element(idx, j), axis, new_line)
         storage = _write(tok, size, body, storage, idx)
@@ -528,6 +586,18 @@ def bind_pop(storage, tok, idx, axis, fill, read=True, ordered=False):
 # the tangents, with `fill=0`.
 
 
+def _untied(tok):
+    """The token for a tangent or cotangent access: none.
+
+    `tok` orders the primal access after the primal reads before it. A tangent or
+    cotangent buffer is another buffer, whose accesses are ordered by the tokens of
+    their own reads (`_tokens`), so the primal token is not needed there. Passing it
+    would make it a residual of the linearised step, saved every step (one
+    `dynamic-update-slice` kernel per step and per access in a scan's forward pass).
+    """
+    return jnp.zeros(jnp.shape(tok), jnp.int32)
+
+
 def _zero_tangent(x):
     return ad.Zero(jax.typeof(x).to_tangent_aval())
 
@@ -551,7 +621,7 @@ def _read_jvp(primals, tangents, *, sizes):
     if type(ts) is ad.Zero:
         t_out = [_zero_tangent(out[0]), _zero_tangent(out[1])]
     else:
-        ts2, tw, _ = bind_read(ts, tok, starts, sizes)
+        ts2, tw, _ = bind_read(ts, _untied(tok), starts, sizes)
         t_out = [ts2, tw]
     return out, t_out + [_zero_tangent(out[2])]
 
@@ -562,7 +632,9 @@ def _accum_jvp(primals, tangents, *, ordered):
     ts, tw = tangents[0], tangents[2]
     if _all_zero(ts, tw):
         return out, [_zero_tangent(out[0])]
-    t_out = bind_accum(_inst(ts, storage), tok, _inst(tw, window), starts, ordered)
+    t_out = bind_accum(
+        _inst(ts, storage), _untied(tok), _inst(tw, window), starts, ordered
+    )
     return out, [t_out]
 
 
@@ -573,7 +645,7 @@ def _swap_jvp(primals, tangents, *, read):
     if _all_zero(ts, tu):
         return out, [_zero_tangent(o) for o in out]
     ts, tu = _inst(ts, storage), _inst(tu, update)
-    return out, list(bind_swap(ts, tok, tu, starts, read))
+    return out, list(bind_swap(ts, _untied(tok), tu, starts, read))
 
 
 def _insert_jvp(primals, tangents, *, axis, ordered):
@@ -582,7 +654,9 @@ def _insert_jvp(primals, tangents, *, axis, ordered):
     ts, tv = tangents[0], tangents[2]
     if _all_zero(ts, tv):
         return out, [_zero_tangent(out[0])]
-    t_out = bind_insert(_inst(ts, storage), tok, _inst(tv, value), idx, axis, ordered)
+    t_out = bind_insert(
+        _inst(ts, storage), _untied(tok), _inst(tv, value), idx, axis, ordered
+    )
     return out, [t_out]
 
 
@@ -594,7 +668,7 @@ def _pop_jvp(primals, tangents, *, axis, fill, read, ordered):
     ts = tangents[0]
     if type(ts) is ad.Zero:
         return out, [_zero_tangent(o) for o in out]
-    return out, list(bind_pop(ts, tok, idx, axis, 0, read, ordered))
+    return out, list(bind_pop(ts, _untied(tok), idx, axis, 0, read, ordered))
 
 
 ad.primitive_jvps[read_p] = _read_jvp
@@ -626,7 +700,7 @@ def _read_transpose(cts, storage, tok, *starts, sizes):
     s_aval = _aval(storage)
     ct_s = _ct_or_zeros(ct_s, s_aval)
     if type(ct_w) is not ad.Zero:
-        ct_s = bind_accum(ct_s, tok, ct_w, starts)
+        ct_s = bind_accum(ct_s, _untied(tok), ct_w, starts)
     return [ct_s, None] + [None] * len(starts)
 
 
@@ -635,7 +709,7 @@ def _accum_transpose(cts, storage, tok, window, *starts, ordered):
     if type(ct_s) is ad.Zero:
         return [ct_s, None, ad.Zero(_aval(window))] + [None] * len(starts)
     sizes = _aval(window).shape[len(starts[0].shape) :]
-    ct_s, ct_w, _ = bind_read(ct_s, tok, starts, sizes)
+    ct_s, ct_w, _ = bind_read(ct_s, _untied(tok), starts, sizes)
     ct_st = ct_s if ad.is_undefined_primal(storage) else None
     ct_wt = ct_w if ad.is_undefined_primal(window) else None
     return [ct_st, None, ct_wt] + [None] * len(starts)
@@ -653,7 +727,7 @@ def _swap_transpose(cts, storage, tok, update, *starts, read):
     ct_old = (
         _ct_or_zeros(ct_old, _aval(update)) if read else _zeros_like_aval(_aval(update))
     )
-    ct_s, ct_u = bind_swap(ct_s, tok, ct_old, starts, read=True)
+    ct_s, ct_u = bind_swap(ct_s, _untied(tok), ct_old, starts, read=True)
     return [ct_s, None, ct_u] + [None] * len(starts)
 
 
@@ -661,7 +735,7 @@ def _insert_transpose(cts, storage, tok, value, *idx, axis, ordered):
     (ct_s,) = cts
     if type(ct_s) is ad.Zero:
         return [ct_s, None, ad.Zero(_aval(value))] + [None] * len(idx)
-    ct_s, ct_v = bind_pop(ct_s, tok, idx, axis, 0)
+    ct_s, ct_v = bind_pop(ct_s, _untied(tok), idx, axis, 0)
     return [ct_s, None, ct_v] + [None] * len(idx)
 
 
@@ -676,7 +750,8 @@ def _pop_transpose(cts, storage, tok, *idx, axis, fill, read, ordered):
         ct_v = _ct_or_zeros(ct_v, ShapedArray(vshape, s_aval.dtype))
     else:  # a delete: its `removed` output is a constant, with no cotangent
         ct_v = jnp.zeros(vshape, s_aval.dtype)
-    return [bind_insert(ct_s, tok, ct_v, idx, axis), None] + [None] * len(idx)
+    ct_s = bind_insert(ct_s, _untied(tok), ct_v, idx, axis)
+    return [ct_s, None] + [None] * len(idx)
 
 
 ad.primitive_transposes[read_p] = _read_transpose

@@ -291,3 +291,28 @@ def test_scan_grad_matches_finite_differences():
         order=2,
         modes=("fwd", "rev"),
     )
+
+
+@pytest.mark.parametrize("mode", [None, "promise_in_bounds"])
+def test_a_scans_gradient_saves_only_the_indices_of_an_insert(mode):
+    # The cotangent accesses are ordered by the cotangent buffer's own reads, not by
+    # the primal access's token: a saved token would be one more per-step residual
+    # (one more kernel per step in the forward pass of the gradient).
+    steps = 5
+    r, c = jnp.arange(steps) % 3, jnp.arange(steps) % 4
+    v = jnp.arange(steps, dtype=jnp.float32)
+    kwargs = {} if mode is None else {"mode": mode}
+
+    def loss(buf, p):
+        def step(b, x):
+            return esb.insert(b, (x[0], x[1]), jnp.sin(p * x[2]), **kwargs), None
+
+        return lax.scan(step, esb.ShiftBuffer(buf, axis=1), (r, c, v))[0]
+
+    _, vjp = jax.vjp(loss, jnp.zeros((3, 6), jnp.float32), jnp.float32(0.5))
+    saved = [
+        x
+        for x in jax.tree.leaves(vjp)
+        if x.shape[:1] == (steps,) and jnp.issubdtype(x.dtype, jnp.integer)
+    ]
+    assert len(saved) == 2  # the row and the column

@@ -51,6 +51,12 @@ def _step_insert_delete(buf, x, p):
     return buf.delete((x["r"][1], x["c"][1])), jnp.zeros(())
 
 
+def _step_two_pops(buf, x, p):
+    buf, a = buf.pop((x["r"][0], x["c"][0]))
+    buf, b = buf.pop((x["r"][1], x["c"][1]))
+    return buf, (a + b) * p["s"]
+
+
 STEPS_BY_NAME = {
     "insert": _step_insert,
     "delete": _step_delete,
@@ -58,6 +64,7 @@ STEPS_BY_NAME = {
     "dynamic_update_slice": _step_update,
     "dynamic_slice_matmul": _step_slice_matmul,
     "insert_then_delete": _step_insert_delete,
+    "two_pops": _step_two_pops,
 }
 
 
@@ -94,12 +101,20 @@ def test_no_per_iteration_copies(name, mode, x64):
 
 
 @pytest.mark.parametrize(
-    "name, mode", [("pop", "forward"), ("insert", "grad")], ids=["pop", "insert-grad"]
+    "name, mode",
+    [
+        ("pop", "forward"),
+        ("insert", "grad"),
+        ("two_pops", "forward"),
+        ("two_pops", "grad"),
+        ("insert_then_delete", "grad"),
+    ],
 )
-def test_a_steps_first_pop_needs_no_inner_loop(name, mode):
-    # A step's first pop (forward, or the transposed pop of an insert's gradient)
-    # reads its element through a reduction: the compiled scan has no `while` loop
-    # inside its loop bodies, only the scans themselves.
+def test_pops_and_writes_need_no_inner_loop(name, mode):
+    # Pops (forward, or the transposed pop of an insert's gradient) read their
+    # element through a reduction, and writes are widened so that XLA does not fuse
+    # them into the next read: the compiled scan has no `while` loop inside its loop
+    # bodies, only the scans themselves, even for a pop right after a write.
     fn = corpus.program(mode, _loss(STEPS_BY_NAME[name]))
     hlo = jax.jit(fn).lower(*_inputs()).compile().as_text()
     comps = _inspect._parse(hlo)
