@@ -21,10 +21,13 @@ but not provable at compile time (a static trip count of 1 is simplified away:
 much as a small edit. So:
 
 - *Reads* (`read_p`, and the read half of `pop_p` and of `swap_p` when it returns
-  the old window) run in their own loop. The window is one materialised loop output,
-  and the read returns a *token* (an int32 zero that XLA cannot prove is zero,
-  computed from the window) that the next access adds to one of its indices, so
-  that access depends on the read.
+  the old window) produce one materialised value, and return a *token* (an int32
+  zero that XLA cannot prove is zero, computed from that value) that the next
+  access adds to one of its indices, so that access depends on the read. Unbatched,
+  the value is a reduction: a masked `max` over the window and its neighbour along
+  a dimension it is 1 wide in (`_window_by_reduce`, `_removed_by_reduce`), which
+  XLA materialises once instead of duplicating it into its consumers. Otherwise
+  (batched, complex, or no such dimension) the reads run in their own loop.
 - *Writes* run straight-line, the same operations plain `lax` code would use, with
   the pending token added to an index they really use (`_free_dim`).
 - *Every unbatched write spans two elements of each dimension of the buffer that
@@ -38,17 +41,12 @@ much as a small edit. So:
   as in plain `lax`; an accumulation followed by a pop, twice, in the `mixed`
   body's gradient). A widened write is not duplicated, so a read that follows a
   write in the same step needs no loop for that.
-- A pop's removed element (and so an inserted value's cotangent, whose transpose
-  is a pop) is read, unbatched, as a masked `max` over two elements of its line
-  (`_removed_by_reduce`): XLA materialises a reduction once rather than
-  duplicating it into its consumers, so no loop is needed.
 - A tangent or cotangent access does not take the primal access's token
   (`_untied`): it orders a different buffer, and as an operand of the tangent
   access it would be a residual saved every step.
 
-Steps that only shift, pop or overwrite thus have no loop in their forward or
-backward pass; a window read (and a swap that returns the old window) costs one
-small loop.
+Unbatched steps on buffers with at least two lines thus have no loop inside their
+forward or backward pass.
 
 **Why reads return the storage.** `read_p` returns the storage it read from, and the
 caller uses that output afterwards. In the linearised program the storage tangent
@@ -216,8 +214,58 @@ def _line_sizes(shape: tuple[int, ...], axis: int) -> tuple[int, ...]:
 # storage dimension.
 
 
+def _lowest(dtype) -> jax.Array:
+    """The lowest value of `dtype` (`-inf` for floats): the identity of `max`."""
+    if dtype == jnp.bool_:
+        return jnp.asarray(False)
+    if jnp.issubdtype(dtype, jnp.integer):
+        return jnp.asarray(jnp.iinfo(dtype).min, dtype)
+    return jnp.asarray(-jnp.inf, dtype)
+
+
+def _pair_dim(sizes: Sequence[int], shape: Sequence[int]) -> int | None:
+    """The first dimension a window of `sizes` is 1 wide in and the buffer is not."""
+    return next((d for d, n in enumerate(sizes) if n == 1 and shape[d] >= 2), None)
+
+
+def _window_by_reduce(s, st, sizes, d: int):
+    """`s[st : st + sizes]`, read as a `max` over the window and its neighbour
+    along `d` (a dimension it is 1 wide in), the neighbour masked to the dtype's
+    lowest value: exact for every value (-0.0, inf and NaN included).
+
+    A plain dynamic slice is cheap, so XLA duplicates it into each of its
+    consumers, where it reads the storage unordered with respect to the next write:
+    a copy. A reduction is materialised once, and its consumers (the next access,
+    through the token) read its result. Reducing along a 2-wide dimension keeps it
+    one kernel: XLA:CPU splits a reduction over more than 32 elements into two.
+    """
+    st = list(st)
+    i0 = jnp.minimum(st[d], s.shape[d] - 2)
+    k = st[d] - i0
+    st[d] = i0
+    wide = list(sizes)
+    wide[d] = 2
+    pair = lax.dynamic_slice(s, st, wide)
+    pos = lax.broadcasted_iota(k.dtype, pair.shape, d)
+    masked = jnp.where(pos == k, pair, _lowest(pair.dtype))
+    return jnp.max(masked, axis=d, keepdims=True)
+
+
+def _reduce_read(storage, size: int, sizes: Sequence[int]) -> int | None:
+    """The dimension to read a window of `sizes` through with `_window_by_reduce`,
+    if it can be: unbatched, a real or bool dtype, and a dimension to pair on."""
+    if size != 1 or jnp.issubdtype(storage.dtype, jnp.complexfloating):
+        return None
+    return _pair_dim(sizes, storage.shape)
+
+
 def _read_impl(storage, tok, *starts, sizes):
     bshape, size = _batch_size(starts)
+    d = _reduce_read(storage, size, sizes)
+    if d is not None:
+        window = _window_by_reduce(storage, _element(starts, 0), sizes, d)
+        out = window.reshape(bshape + tuple(sizes))
+        return storage, out, opaque_zero(out)
 
     free = _free_dim(sizes, storage.shape)
 
@@ -278,8 +326,8 @@ def _swap_impl(storage, tok, update, *starts, read):
     bshape, size = _batch_size(starts)
     update = _flat(update, bshape)
     if read:
-        # Read the old windows in a loop, then write, with the write depending on
-        # the read's token: the read is then ordered before the write by data
+        # Read the old windows (`_read_impl`), then write, with the write depending
+        # on the read's token: the read is then ordered before the write by data
         # dependence. Reading and writing in one loop body leaves the read unordered
         # and XLA copies the buffer (the pop case of `mixed.py`).
         storage, old, tok = _read_impl(storage, tok, *starts, sizes=update.shape[1:])
@@ -452,14 +500,7 @@ def _removed_by_reduce(s, idx, axis):
     sizes = (1,) * axis + (2,) + tuple(s.shape[axis + 1 :])
     pair = lax.dynamic_slice(s, start, sizes).reshape(sizes[axis:])
     pos = lax.broadcasted_iota(col.dtype, pair.shape, 0)
-    dtype = pair.dtype
-    if dtype == jnp.bool_:
-        low = jnp.asarray(False)
-    elif jnp.issubdtype(dtype, jnp.integer):
-        low = jnp.asarray(jnp.iinfo(dtype).min, dtype)
-    else:
-        low = jnp.asarray(-jnp.inf, dtype)
-    return jnp.max(jnp.where(pos == col - c0, pair, low), axis=0)
+    return jnp.max(jnp.where(pos == col - c0, pair, _lowest(pair.dtype)), axis=0)
 
 
 def _pop_impl(storage, tok, *idx, axis, fill, read, ordered):

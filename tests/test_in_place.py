@@ -108,13 +108,16 @@ def test_no_per_iteration_copies(name, mode, x64):
         ("two_pops", "forward"),
         ("two_pops", "grad"),
         ("insert_then_delete", "grad"),
+        ("dynamic_update_slice", "grad"),
+        ("dynamic_slice_matmul", "grad"),
     ],
 )
-def test_pops_and_writes_need_no_inner_loop(name, mode):
-    # Pops (forward, or the transposed pop of an insert's gradient) read their
-    # element through a reduction, and writes are widened so that XLA does not fuse
-    # them into the next read: the compiled scan has no `while` loop inside its loop
-    # bodies, only the scans themselves, even for a pop right after a write.
+def test_reads_need_no_inner_loop(name, mode):
+    # Pops and window reads (forward, or transposed: an insert's gradient pops, an
+    # overwrite's reads the old window) read through a reduction, and writes are
+    # widened so that XLA does not fuse them into the next read: the compiled scan
+    # has no `while` loop inside its loop bodies, only the scans themselves, even
+    # for a read right after a write.
     fn = corpus.program(mode, _loss(STEPS_BY_NAME[name]))
     hlo = jax.jit(fn).lower(*_inputs()).compile().as_text()
     comps = _inspect._parse(hlo)

@@ -182,27 +182,55 @@ SPECIAL = [
 ]
 
 
+# Where the element is: inside the line, and in the last row and column (where the
+# pair of elements the reduction reads starts one before it).
+WHERE = [pytest.param((1, 2), id="inside"), pytest.param((2, 4), id="last")]
+
+
+@pytest.mark.parametrize("where", WHERE)
 @pytest.mark.parametrize("dtype, value", SPECIAL)
 @pytest.mark.parametrize("others", ["same", "nan"], ids=["others-same", "others-nan"])
-def test_pop_returns_any_value_bit_for_bit(dtype, value, others):
+def test_pop_returns_any_value_bit_for_bit(dtype, value, others, where):
     # Jitted and traced: the run-time path. The line around the element holds the
     # same value or (for floats) NaN.
     if others == "nan" and not jnp.issubdtype(dtype, jnp.floating):
         pytest.skip("NaN neighbours are for floating dtypes")
     fill = value if others == "same" else np.nan
     a = np.full((3, 5), fill, dtype=jnp.dtype(dtype))
-    a[1, 2] = np.asarray(value, jnp.dtype(dtype))
+    a[where] = np.asarray(value, jnp.dtype(dtype))
 
     @jax.jit
     def pop(x, r, c):
         return esb.ShiftBuffer.from_array(x).pop((r, c))
 
-    buf, got = pop(jnp.asarray(a), jnp.int32(1), jnp.int32(2))
-    expected, want = ref.pop(a, (1, 2), 1)
+    buf, got = pop(jnp.asarray(a), *map(jnp.int32, where))
+    expected, want = ref.pop(a, where, 1)
     got, want = np.asarray(got), np.asarray(want)
     assert got.dtype == want.dtype
     assert got.tobytes() == want.tobytes(), (got, want)
     np.testing.assert_array_equal(np.asarray(buf.array), expected)
+
+
+@pytest.mark.parametrize("where", WHERE)
+@pytest.mark.parametrize("dtype, value", SPECIAL)
+@pytest.mark.parametrize("others", ["same", "nan"], ids=["others-same", "others-nan"])
+def test_dynamic_slice_returns_any_value_bit_for_bit(dtype, value, others, where):
+    # A window read is a masked `max` over the window and a neighbouring row.
+    if others == "nan" and not jnp.issubdtype(dtype, jnp.floating):
+        pytest.skip("NaN neighbours are for floating dtypes")
+    fill = value if others == "same" else np.nan
+    a = np.full((3, 5), fill, dtype=jnp.dtype(dtype))
+    r, c = where
+    a[r, c - 1 : c + 1] = np.asarray(value, jnp.dtype(dtype))
+
+    @jax.jit
+    def read(x, r, c):
+        return esb.ShiftBuffer.from_array(x).dynamic_slice((r, c), (1, 2))
+
+    got = np.asarray(read(jnp.asarray(a), jnp.int32(r), jnp.int32(c - 1)))
+    want = a[r : r + 1, c - 1 : c + 1]
+    assert got.dtype == want.dtype
+    assert got.tobytes() == want.tobytes(), (got, want)
 
 
 # -- the same inside a jitted lax.scan, with traced, overlapping, out-of-order indices
