@@ -46,7 +46,8 @@ def same_trace(a: Any, b: Any) -> bool:
 
 
 # Storage values that are the output of a straight-line write (see
-# `_primitives._shift`): the next shift of such a value reads its line in a loop.
+# `_primitives._shift`): the next batched shift or accumulation of such a value (or
+# one that cannot use a 2-line window) reads its lines in a loop first.
 _written: dict[int, weakref.ReferenceType] = {}
 
 
