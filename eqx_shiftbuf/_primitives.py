@@ -184,7 +184,7 @@ def _widened_write(s, st, sizes, new_window):
             i0 = jnp.minimum(i, m - 2)
             starts.append(i0)
             wide.append(2)
-            offs.append(i - i0)
+            offs.append(jnp.minimum(i - i0, 1))  # clamped, as lax clamps
         else:
             starts.append(i)
             wide.append(n)
@@ -241,7 +241,7 @@ def _window_by_reduce(s, st, sizes, d: int):
     """
     st = list(st)
     i0 = jnp.minimum(st[d], s.shape[d] - 2)
-    k = st[d] - i0
+    k = jnp.minimum(st[d] - i0, 1)  # an index past the end is clamped, as in lax
     st[d] = i0
     wide = list(sizes)
     wide[d] = 2
@@ -404,7 +404,7 @@ def _window2_edit(s, ix, axis, new_line, line=None):
     d = axis - 1
     r = ix[d]
     r0 = jnp.minimum(r, s.shape[d] - 2)
-    k = r - r0
+    k = jnp.minimum(r - r0, 1)  # an index past the end is clamped, as in lax
     start = list(ix[:-1]) + [jnp.zeros_like(ix[-1])] * (s.ndim - axis)
     start[d] = r0
     sizes = (1,) * d + (2,) + tuple(s.shape[axis:])
@@ -500,7 +500,8 @@ def _removed_by_reduce(s, idx, axis):
     sizes = (1,) * axis + (2,) + tuple(s.shape[axis + 1 :])
     pair = lax.dynamic_slice(s, start, sizes).reshape(sizes[axis:])
     pos = lax.broadcasted_iota(col.dtype, pair.shape, 0)
-    return jnp.max(jnp.where(pos == col - c0, pair, _lowest(pair.dtype)), axis=0)
+    k = jnp.minimum(col - c0, 1)  # an index past the end is clamped, as in lax
+    return jnp.max(jnp.where(pos == k, pair, _lowest(pair.dtype)), axis=0)
 
 
 def _pop_impl(storage, tok, *idx, axis, fill, read, ordered):

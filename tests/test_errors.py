@@ -761,3 +761,27 @@ def test_promise_in_bounds_has_no_run_time_check():
     promised = jax.jit(f("promise_in_bounds")).lower(b, i).as_text()
     assert "callback" in checked
     assert "callback" not in promised
+
+
+@pytest.mark.parametrize(
+    "start", [(5, 1), (-3, 1), (1, 9)], ids=["row+", "row-", "col+"]
+)
+def test_promised_window_ops_clamp_a_bad_start_as_lax_does(start):
+    # A broken promise is the caller's bug, but the result is still lax's: the start
+    # is clamped (the read of a 1-wide window pairs it with a neighbour, and the
+    # write widens it; neither may pick the wrong one).
+    a = jnp.arange(12.0).reshape(3, 4)
+    r, c = (jnp.int32(i) for i in start)
+    read = jax.jit(
+        lambda a, r, c: esb.dynamic_slice(a, (r, c), (1, 2), mode="promise_in_bounds")
+    )
+    np.testing.assert_array_equal(read(a, r, c), lax.dynamic_slice(a, (r, c), (1, 2)))
+    upd = jnp.full((1, 2), -1.0)
+    write = jax.jit(
+        lambda a, r, c: esb.dynamic_update_slice(
+            a, upd, (r, c), mode="promise_in_bounds"
+        )
+    )
+    np.testing.assert_array_equal(
+        write(a, r, c), lax.dynamic_update_slice(a, upd, (r, c))
+    )
