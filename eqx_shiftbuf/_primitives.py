@@ -642,7 +642,8 @@ def bind_swap(storage, tok, update, starts, read=True):
 
 def _needs_order(storage, ordered: bool) -> bool:
     # See the module docstring, "Which accesses are loops": a shift or accumulation
-    # that follows a straight-line write reads its line in a loop first.
+    # that follows a straight-line write, and cannot write a widened window (it is
+    # batched, or its buffer has one line), reads its lines in a loop first.
     return ordered or _tokens.written(storage)
 
 
