@@ -53,12 +53,8 @@ caller uses that output afterwards. In the linearised program the storage tangen
 then has a single use, so the transpose accumulates the window cotangent into the
 storage cotangent in place (`accum_p`), instead of adding two full-size cotangents.
 
-**Indices.** A primitive takes its `k` indices packed in one int operand of shape
-`S + (k,)` (`pack`): in a scan's gradient the indices of each access are saved every
-step, one kernel per saved array. The lowerings unpack them.
-
-**Batching.** Every index has the same shape `S` (the "batch" shape, `()` when
-unbatched); an operand holding values has shape `S + value_shape`. The loop runs
+**Batching.** Every index operand has the same shape `S` (the "batch" shape, `()`
+when unbatched); an operand holding values has shape `S + value_shape`. The loop runs
 over the `prod(S)` elements in order, one window operation each, so `vmap` keeps the
 batch inside one buffer (`vmaploop2.py`) instead of turning window ops into
 gather/scatter over the whole buffer (`vmaploop.py`). The batching rule moves the
@@ -69,7 +65,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -545,53 +541,15 @@ def _pop_abstract(storage, tok, *idx, axis, fill, read, ordered):
 # Definitions.
 
 
-class Packed(NamedTuple):
-    """Indices already packed into one array of shape `S + (k,)` (see `pack`)."""
-
-    ix: Any
-
-
-def pack(idx) -> jax.Array:
-    """The indices `idx` (k arrays of one shape `S`) as one int array `S + (k,)`.
-
-    Each primitive takes its indices as one operand. A tangent or cotangent access
-    uses the primal access's indices, so in a scan's gradient they are residuals,
-    each saved every step by its own `dynamic-update-slice` kernel: packed, an
-    access saves one array, not one per dimension.
-    """
-    if isinstance(idx, Packed):
-        return idx.ix
-    arrays = [jnp.asarray(i) for i in idx]
-    if not arrays:
-        return jnp.zeros((0,), jnp.int32)
-    dtype = jnp.result_type(*arrays)
-    arrays = jnp.broadcast_arrays(*[a.astype(dtype) for a in arrays])
-    return jnp.stack(arrays, axis=-1)
-
-
-def _unpack(ix) -> list:
-    """The index arrays of a packed `ix` (arrays, or avals for abstract evaluation)."""
-    if isinstance(ix, ShapedArray):
-        return [ShapedArray(ix.shape[:-1], ix.dtype)] * ix.shape[-1]
-    return [ix[..., i] for i in range(ix.shape[-1])]
-
-
-def _unpacked(f: Callable) -> Callable:
-    """`f` (an impl or abstract evaluation, taking the indices as separate operands)
-    on operands that end in one packed index array."""
-    return lambda *args, **params: f(*args[:-1], *_unpack(args[-1]), **params)
-
-
 def _define(name: str, impl: Callable, abstract: Callable) -> Primitive:
     p = Primitive(name)
     p.multiple_results = True
-    impl = _unpacked(impl)
     p.def_impl(
         lambda *args, **params: jax.jit(impl, static_argnames=tuple(params))(
             *args, **params
         )
     )
-    p.def_abstract_eval(_unpacked(abstract))
+    p.def_abstract_eval(abstract)
     mlir.register_lowering(p, mlir.lower_fun(impl, multiple_results=True))
     return p
 
@@ -614,7 +572,7 @@ pop_p = _define("esb_pop", _pop_impl, _pop_abstract)
 def bind_read(storage, tok, starts, sizes):
     key = storage
     storage, tok = _tokens.resolve(storage, tok)
-    storage, window, tok2 = read_p.bind(storage, tok, pack(starts), sizes=tuple(sizes))
+    storage, window, tok2 = read_p.bind(storage, tok, *starts, sizes=tuple(sizes))
     # Both the storage that was read and the storage the read returned now have a
     # pending read: the next access on either must come after it. Only a key of the
     # same trace is recorded: a closed-over array, or a tracer of an outer trace,
@@ -628,14 +586,14 @@ def bind_read(storage, tok, starts, sizes):
 def bind_accum(storage, tok, window, starts, ordered=False):
     ordered = _needs_order(storage, ordered)
     storage, tok = _tokens.resolve(storage, tok)
-    (storage,) = accum_p.bind(storage, tok, window, pack(starts), ordered=ordered)
+    (storage,) = accum_p.bind(storage, tok, window, *starts, ordered=ordered)
     _tokens.mark_written(storage)
     return storage
 
 
 def bind_swap(storage, tok, update, starts, read=True):
     storage, tok = _tokens.resolve(storage, tok)
-    out = swap_p.bind(storage, tok, update, pack(starts), read=read)
+    out = swap_p.bind(storage, tok, update, *starts, read=read)
     _tokens.mark_written(out[0])
     return out
 
@@ -650,9 +608,7 @@ def _needs_order(storage, ordered: bool) -> bool:
 def bind_insert(storage, tok, value, idx, axis, ordered=False):
     ordered = _needs_order(storage, ordered)
     storage, tok = _tokens.resolve(storage, tok)
-    (storage,) = insert_p.bind(
-        storage, tok, value, pack(idx), axis=axis, ordered=ordered
-    )
+    (storage,) = insert_p.bind(storage, tok, value, *idx, axis=axis, ordered=ordered)
     _tokens.mark_written(storage)
     return storage
 
@@ -661,7 +617,7 @@ def bind_pop(storage, tok, idx, axis, fill, read=True, ordered=False):
     ordered = _needs_order(storage, ordered)
     storage, tok = _tokens.resolve(storage, tok)
     out = pop_p.bind(
-        storage, tok, pack(idx), axis=axis, fill=fill, read=read, ordered=ordered
+        storage, tok, *idx, axis=axis, fill=fill, read=read, ordered=ordered
     )
     _tokens.mark_written(out[0])
     return out
@@ -708,7 +664,7 @@ def _read_jvp(primals, tangents, *, sizes):
     if type(ts) is ad.Zero:
         t_out = [_zero_tangent(out[0]), _zero_tangent(out[1])]
     else:
-        ts2, tw, _ = bind_read(ts, _untied(tok), Packed(*starts), sizes)
+        ts2, tw, _ = bind_read(ts, _untied(tok), starts, sizes)
         t_out = [ts2, tw]
     return out, t_out + [_zero_tangent(out[2])]
 
@@ -720,7 +676,7 @@ def _accum_jvp(primals, tangents, *, ordered):
     if _all_zero(ts, tw):
         return out, [_zero_tangent(out[0])]
     t_out = bind_accum(
-        _inst(ts, storage), _untied(tok), _inst(tw, window), Packed(*starts), ordered
+        _inst(ts, storage), _untied(tok), _inst(tw, window), starts, ordered
     )
     return out, [t_out]
 
@@ -732,7 +688,7 @@ def _swap_jvp(primals, tangents, *, read):
     if _all_zero(ts, tu):
         return out, [_zero_tangent(o) for o in out]
     ts, tu = _inst(ts, storage), _inst(tu, update)
-    return out, list(bind_swap(ts, _untied(tok), tu, Packed(*starts), read))
+    return out, list(bind_swap(ts, _untied(tok), tu, starts, read))
 
 
 def _insert_jvp(primals, tangents, *, axis, ordered):
@@ -742,7 +698,7 @@ def _insert_jvp(primals, tangents, *, axis, ordered):
     if _all_zero(ts, tv):
         return out, [_zero_tangent(out[0])]
     t_out = bind_insert(
-        _inst(ts, storage), _untied(tok), _inst(tv, value), Packed(*idx), axis, ordered
+        _inst(ts, storage), _untied(tok), _inst(tv, value), idx, axis, ordered
     )
     return out, [t_out]
 
@@ -755,7 +711,7 @@ def _pop_jvp(primals, tangents, *, axis, fill, read, ordered):
     ts = tangents[0]
     if type(ts) is ad.Zero:
         return out, [_zero_tangent(o) for o in out]
-    return out, list(bind_pop(ts, _untied(tok), Packed(*idx), axis, 0, read, ordered))
+    return out, list(bind_pop(ts, _untied(tok), idx, axis, 0, read, ordered))
 
 
 ad.primitive_jvps[read_p] = _read_jvp
@@ -787,7 +743,7 @@ def _read_transpose(cts, storage, tok, *starts, sizes):
     s_aval = _aval(storage)
     ct_s = _ct_or_zeros(ct_s, s_aval)
     if type(ct_w) is not ad.Zero:
-        ct_s = bind_accum(ct_s, _untied(tok), ct_w, Packed(*starts))
+        ct_s = bind_accum(ct_s, _untied(tok), ct_w, starts)
     return [ct_s, None] + [None] * len(starts)
 
 
@@ -795,8 +751,8 @@ def _accum_transpose(cts, storage, tok, window, *starts, ordered):
     (ct_s,) = cts
     if type(ct_s) is ad.Zero:
         return [ct_s, None, ad.Zero(_aval(window))] + [None] * len(starts)
-    sizes = _aval(window).shape[len(starts[0].shape) - 1 :]
-    ct_s, ct_w, _ = bind_read(ct_s, _untied(tok), Packed(*starts), sizes)
+    sizes = _aval(window).shape[len(starts[0].shape) :]
+    ct_s, ct_w, _ = bind_read(ct_s, _untied(tok), starts, sizes)
     ct_st = ct_s if ad.is_undefined_primal(storage) else None
     ct_wt = ct_w if ad.is_undefined_primal(window) else None
     return [ct_st, None, ct_wt] + [None] * len(starts)
@@ -814,7 +770,7 @@ def _swap_transpose(cts, storage, tok, update, *starts, read):
     ct_old = (
         _ct_or_zeros(ct_old, _aval(update)) if read else _zeros_like_aval(_aval(update))
     )
-    ct_s, ct_u = bind_swap(ct_s, _untied(tok), ct_old, Packed(*starts), read=True)
+    ct_s, ct_u = bind_swap(ct_s, _untied(tok), ct_old, starts, read=True)
     return [ct_s, None, ct_u] + [None] * len(starts)
 
 
@@ -822,7 +778,7 @@ def _insert_transpose(cts, storage, tok, value, *idx, axis, ordered):
     (ct_s,) = cts
     if type(ct_s) is ad.Zero:
         return [ct_s, None, ad.Zero(_aval(value))] + [None] * len(idx)
-    ct_s, ct_v = bind_pop(ct_s, _untied(tok), Packed(*idx), axis, 0)
+    ct_s, ct_v = bind_pop(ct_s, _untied(tok), idx, axis, 0)
     return [ct_s, None, ct_v] + [None] * len(idx)
 
 
@@ -832,12 +788,12 @@ def _pop_transpose(cts, storage, tok, *idx, axis, fill, read, ordered):
         return [ad.Zero(_aval(storage)), None] + [None] * len(idx)
     s_aval = _aval(storage)
     ct_s = _ct_or_zeros(ct_s, s_aval)
-    vshape = tuple(idx[0].shape[:-1]) + s_aval.shape[axis + 1 :]
+    vshape = tuple(idx[0].shape) + s_aval.shape[axis + 1 :]
     if read:
         ct_v = _ct_or_zeros(ct_v, ShapedArray(vshape, s_aval.dtype))
     else:  # a delete: its `removed` output is a constant, with no cotangent
         ct_v = jnp.zeros(vshape, s_aval.dtype)
-    ct_s = bind_insert(ct_s, _untied(tok), ct_v, Packed(*idx), axis)
+    ct_s = bind_insert(ct_s, _untied(tok), ct_v, idx, axis)
     return [ct_s, None] + [None] * len(idx)
 
 
@@ -873,12 +829,8 @@ def _batch_common(args, dims, n_leading: int, write: bool):
     """
     storage, tok, *rest = args
     sdim, tdim, *rdims = dims
-    values, (ix,) = rest[:n_leading], rest[n_leading:]
-    vdims, (idim,) = rdims[:n_leading], rdims[n_leading:]
-    if idim is not None:  # the packed indices, batched: S + (k,) after the batch
-        ix, idim = jnp.moveaxis(ix, idim, 0), 0
-    idx = [i for i in jnp.moveaxis(ix, -1, 0)]
-    idims = [idim] * len(idx)
+    values, idx = rest[:n_leading], rest[n_leading:]
+    vdims, idims = rdims[:n_leading], rdims[n_leading:]
     size = next(a.shape[d] for a, d in zip(args, dims) if d is not None)
     if tdim is not None:
         tok = jnp.max(jnp.moveaxis(tok, tdim, 0).reshape(size, -1), axis=0)[0]

@@ -296,8 +296,8 @@ def test_scan_grad_matches_finite_differences():
 @pytest.mark.parametrize("mode", [None, "promise_in_bounds"])
 def test_a_scans_gradient_saves_only_the_indices_of_an_insert(mode):
     # The cotangent accesses are ordered by the cotangent buffer's own reads, not by
-    # the primal access's token, and take the indices packed in one array: each saved
-    # array is one more kernel per step in the forward pass of the gradient.
+    # the primal access's token: a saved token would be one more per-step residual
+    # (one more kernel per step in the forward pass of the gradient).
     steps = 5
     r, c = jnp.arange(steps) % 3, jnp.arange(steps) % 4
     v = jnp.arange(steps, dtype=jnp.float32)
@@ -315,4 +315,4 @@ def test_a_scans_gradient_saves_only_the_indices_of_an_insert(mode):
         for x in jax.tree.leaves(vjp)
         if x.shape[:1] == (steps,) and jnp.issubdtype(x.dtype, jnp.integer)
     ]
-    assert [x.shape for x in saved] == [(steps, 2)]  # the row and the column
+    assert len(saved) == 2  # the row and the column
