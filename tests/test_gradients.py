@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import hypothesis.strategies as st
 import jax
 import jax.numpy as jnp
@@ -316,3 +318,31 @@ def test_a_scans_gradient_saves_only_the_indices_of_an_insert(mode):
         if x.shape[:1] == (steps,) and jnp.issubdtype(x.dtype, jnp.integer)
     ]
     assert len(saved) == 2  # the row and the column
+
+
+@pytest.mark.parametrize("kind", ["ShiftBuffer", "promised array"])
+def test_a_scans_gradient_saves_no_integers_when_the_indices_are_scan_inputs(kind):
+    # JAX's scan forwards a residual that is a scan input instead of saving it every
+    # step; the library must not turn the indices into a new value (a saved token,
+    # or the indices packed together), or each step pays one more kernel. (A check
+    # made at once, on a plain array, threads the indices through its conditional.)
+    steps = 8
+    # int32: an index of another dtype is cast, which makes it a new value.
+    r = jnp.arange(steps, dtype=jnp.int32) % 3
+    c = jnp.arange(steps, dtype=jnp.int32) % 4
+    v = jnp.arange(steps, dtype=jnp.float32)
+    kw = {} if kind == "ShiftBuffer" else {"mode": "promise_in_bounds"}
+
+    def step(b, x, p):
+        b = esb.insert(b, (x[0], x[1]), jnp.sin(p * x[2]), **kw)
+        return esb.delete(b, x[:2], **kw), None
+
+    def loss(buf, p):
+        b0 = esb.ShiftBuffer.from_array(buf, axis=1) if kind == "ShiftBuffer" else buf
+        b, _ = lax.scan(lambda b, x: step(b, x, p), b0, (r, c, v))
+        return ((b.array if kind == "ShiftBuffer" else b) ** 2).sum()
+
+    args = (jnp.zeros((3, 6), jnp.float32), jnp.float32(0.5))
+    hlo = jax.jit(jax.grad(loss, argnums=(0, 1))).lower(*args).compile().as_text()
+    saved = re.findall(rf"%\S*dynamic-update-slice\S* = s32\[{steps}[,\]]", hlo)
+    assert saved == []
