@@ -135,12 +135,17 @@ def _primal_scan(consts, init, xs, *, jaxpr, num_carry, length, unroll):
 def _store(slot, snaps, stored):
     """`snaps` with `stored` (one value per store) in slot `slot` when `slot >= 0`;
     a `cond` keeps the other steps from touching the store. Call it last in a loop
-    iteration (see `_scan_impl`)."""
+    iteration (see `_scan_impl`).
 
-    def store(s):
-        return [si.at[slot].set(ci) for si, ci in zip(s, stored)]
-
-    return lax.cond(slot >= 0, store, lambda s: s, snaps)
+    One `cond` per store: XLA drops a store the reverse pass never reads (a buffer
+    that the steps only shift and overwrite), but not one written by a conditional
+    that also writes a store it does read (a `ShiftBuffer`'s error record): the
+    insert-then-delete gradient with `checkpoints="all"` took 100 ms, not 1.3.
+    """
+    return [
+        lax.cond(slot >= 0, lambda s, c: s.at[slot].set(c), lambda s, c: s, si, ci)
+        for si, ci in zip(snaps, stored)
+    ]
 
 
 # ---------------------------------------------------------------------------
