@@ -138,9 +138,9 @@ def _store(slot, snaps, stored):
     iteration (see `_scan_impl`).
 
     One `cond` per store: XLA drops a store the reverse pass never reads (a buffer
-    that the steps only shift and overwrite), but not one written by a conditional
-    that also writes a store it does read (a `ShiftBuffer`'s error record): the
-    insert-then-delete gradient with `checkpoints="all"` took 100 ms, not 1.3.
+    that the steps only shift and overwrite), but it kept one written by the same
+    conditional as a `ShiftBuffer`'s error record: the insert-then-delete gradient
+    with `checkpoints="all"` took 100 ms, not 1.3.
     """
     return [
         lax.cond(slot >= 0, lambda s, c: s.at[slot].set(c), lambda s, c: s, si, ci)
