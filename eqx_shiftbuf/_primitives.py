@@ -309,7 +309,7 @@ def _accum_impl(storage, tok, window, *starts, ordered):
     def body(j, s, starts):
         st = _element(starts, j)
         w = _take(window, j)
-        if olds is None and size == 1:
+        if size == 1:  # no loop read first: see `_widened_write`
             return _widened_write(s, st, w.shape, lambda old: old + w)
         old = lax.dynamic_slice(s, st, w.shape) if olds is None else _take(olds, j)
         return lax.dynamic_update_slice(s, old + w, st)
@@ -480,28 +480,17 @@ def _reduce_readable(storage, size: int, axis: int) -> bool:
 
 def _removed_by_reduce(s, idx, axis):
     """`s[idx]` (the element at `idx[-1]` along `axis`, a value of shape
-    `s.shape[axis + 1:]`), read as a `max` over the two elements at `c0` and `c0 + 1`
-    along `axis` (`c0 = min(idx[-1], n - 2)`), the other one masked to the dtype's
-    lowest value: exact for every value (-0.0, inf and NaN included).
+    `s.shape[axis + 1:]`), read by `_window_by_reduce` paired along `axis`.
 
     A plain dynamic index is cheap, so XLA duplicates it into each of its consumers,
     where it reads the storage unordered with respect to the shift that follows: a
-    copy (the single insert's gradient and the pop body). A reduction is
-    materialised once, and its consumers (the shift's index, through the token)
-    read its result. That replaces the loop a read otherwise needs (about as much
-    as a small edit on XLA:CPU). Two elements, not the line: XLA:CPU splits a
-    reduction of more than 32 elements into two kernels (a `reduce-window`, then
-    a `reduce`), and a reduction over one element is simplified away.
+    copy (the single insert's gradient and the pop body). Through the reduction, the
+    shift's index (by the token) and the caller read one materialised value.
     """
-    col = idx[-1]
-    c0 = jnp.minimum(col, s.shape[axis] - 2)
-    zero = jnp.zeros_like(col)
-    start = list(idx[:-1]) + [c0] + [zero] * (s.ndim - axis - 1)
-    sizes = (1,) * axis + (2,) + tuple(s.shape[axis + 1 :])
-    pair = lax.dynamic_slice(s, start, sizes).reshape(sizes[axis:])
-    pos = lax.broadcasted_iota(col.dtype, pair.shape, 0)
-    k = jnp.minimum(col - c0, 1)  # an index past the end is clamped, as in lax
-    return jnp.max(jnp.where(pos == k, pair, _lowest(pair.dtype)), axis=0)
+    zero = jnp.zeros_like(idx[-1])
+    start = list(idx) + [zero] * (s.ndim - axis - 1)
+    sizes = (1,) * (axis + 1) + tuple(s.shape[axis + 1 :])
+    return _window_by_reduce(s, start, sizes, axis).reshape(s.shape[axis + 1 :])
 
 
 def _pop_impl(storage, tok, *idx, axis, fill, read, ordered):
