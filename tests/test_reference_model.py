@@ -168,7 +168,7 @@ def test_fill_value_is_shifted_in():
 
 
 # Values a masked read could get wrong: the sign of zero, infinities, NaN, the most
-# negative integer (a pop reads its element as a masked `max` over the line).
+# negative integer (reads are a masked `max` over the value and a neighbour).
 SPECIAL = [
     pytest.param(jnp.float32, -0.0, id="f32--0.0"),
     pytest.param(jnp.float32, -np.inf, id="f32--inf"),
@@ -187,17 +187,23 @@ SPECIAL = [
 WHERE = [pytest.param((1, 2), id="inside"), pytest.param((2, 4), id="last")]
 
 
-@pytest.mark.parametrize("where", WHERE)
-@pytest.mark.parametrize("dtype, value", SPECIAL)
-@pytest.mark.parametrize("others", ["same", "nan"], ids=["others-same", "others-nan"])
-def test_pop_returns_any_value_bit_for_bit(dtype, value, others, where):
-    # Jitted and traced: the run-time path. The line around the element holds the
-    # same value or (for floats) NaN.
+def _special(dtype, value, others, cells) -> np.ndarray:
+    """A 3x5 array holding `value` at `cells` and, around it, the same value or
+    (`others == "nan"`, floating dtypes only) NaN."""
     if others == "nan" and not jnp.issubdtype(dtype, jnp.floating):
         pytest.skip("NaN neighbours are for floating dtypes")
     fill = value if others == "same" else np.nan
     a = np.full((3, 5), fill, dtype=jnp.dtype(dtype))
-    a[where] = np.asarray(value, jnp.dtype(dtype))
+    a[cells] = np.asarray(value, jnp.dtype(dtype))
+    return a
+
+
+@pytest.mark.parametrize("where", WHERE)
+@pytest.mark.parametrize("dtype, value", SPECIAL)
+@pytest.mark.parametrize("others", ["same", "nan"], ids=["others-same", "others-nan"])
+def test_pop_returns_any_value_bit_for_bit(dtype, value, others, where):
+    # Jitted and traced: the run-time path.
+    a = _special(dtype, value, others, where)
 
     @jax.jit
     def pop(x, r, c):
@@ -216,12 +222,8 @@ def test_pop_returns_any_value_bit_for_bit(dtype, value, others, where):
 @pytest.mark.parametrize("others", ["same", "nan"], ids=["others-same", "others-nan"])
 def test_dynamic_slice_returns_any_value_bit_for_bit(dtype, value, others, where):
     # A window read is a masked `max` over the window and a neighbouring row.
-    if others == "nan" and not jnp.issubdtype(dtype, jnp.floating):
-        pytest.skip("NaN neighbours are for floating dtypes")
-    fill = value if others == "same" else np.nan
-    a = np.full((3, 5), fill, dtype=jnp.dtype(dtype))
     r, c = where
-    a[r, c - 1 : c + 1] = np.asarray(value, jnp.dtype(dtype))
+    a = _special(dtype, value, others, (r, slice(c - 1, c + 1)))
 
     @jax.jit
     def read(x, r, c):
