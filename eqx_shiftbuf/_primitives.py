@@ -25,8 +25,9 @@ much as a small edit. So:
   zero that XLA cannot prove is zero, computed from that value) that the next
   access adds to one of its indices, so that access depends on the read. Unbatched,
   the value is a reduction: a masked `max` over the window and its neighbour along
-  a dimension it is 1 wide in (`_window_by_reduce`, `_removed_by_reduce`), which
-  XLA materialises once instead of duplicating it into its consumers. Otherwise
+  a dimension it is 1 wide in (`_window_by_reduce`; a pop reduces its line and
+  its neighbour, `_window2_edit`), which XLA materialises once instead of
+  duplicating it into its consumers. Otherwise
   (batched, complex, or no such dimension) the reads run in their own loop.
 - *Writes* run straight-line, the same operations plain `lax` code would use, with
   the pending token added to an index they really use (`_free_dim`).
@@ -392,29 +393,48 @@ def _shift_left(line, col, fill):
     )
 
 
-def _window2_edit(s, ix, axis, new_line, line=None):
+def _window2_edit(s, ix, axis, new_line, line=None, *, reduce_line=False):
     """Rewrite the line `s[ix[:-1]]` through a window of it and a neighbouring line.
 
-    An ordered shift without a loop. XLA:CPU duplicates a write whose update is a
-    single line (it counts as "effectively unary") into the next read of the
-    storage, turning that read into a read of the older storage, unordered with
-    respect to the write: the write copies. A write of two lines is not duplicated
+    Returns `(storage, line)`, `line` as read. An ordered shift without a loop.
+    XLA:CPU duplicates a write whose update is a single line (it counts as
+    "effectively unary") into the next read of the storage, turning that read into
+    a read of the older storage, unordered with respect to the write: the write
+    copies. A write of two lines is not duplicated
     (`benchmarks/experiments/window2_shift.py`).
+
+    With `reduce_line`, the line is read as a masked `max` over the window (as in
+    `_window_by_reduce`), which XLA materialises once: a pop then indexes its
+    removed element out of that value, ordered before the write by data alone and
+    without a kernel of its own. (Indexed out of a plain slice, the element is
+    duplicated into its consumers as a read of the storage: two copies per step in
+    the two-insert gradient.)
     """
     d = axis - 1
+    n = s.shape[d]
     r = ix[d]
-    r0 = jnp.minimum(r, s.shape[d] - 2)
+    r = jnp.where(r < 0, r + n, r)  # a negative index counts from the end, as in lax
+    r0 = jnp.minimum(r, n - 2)
     k = jnp.minimum(r - r0, 1)  # an index past the end is clamped, as in lax
     start = list(ix[:-1]) + [jnp.zeros_like(ix[-1])] * (s.ndim - axis)
     start[d] = r0
     sizes = (1,) * d + (2,) + tuple(s.shape[axis:])
-    win = lax.dynamic_slice(s, start, sizes).reshape((2,) + tuple(s.shape[axis:]))
-    if line is None:
+    # `r0` is already in range; lax's own wrapping of negative starts would be a
+    # scalar `select` that XLA:CPU materialises as a kernel of its own in a
+    # transposed pop (one more per step).
+    win = lax.dynamic_slice(s, start, sizes, allow_negative_indices=False)
+    win = win.reshape((2,) + tuple(s.shape[axis:]))
+    which = lax.broadcasted_iota(k.dtype, win.shape, 0)
+    if reduce_line:
+        line = jnp.max(jnp.where(which == k, win, _lowest(win.dtype)), axis=0)
+    elif line is None:
         line = lax.dynamic_index_in_dim(win, k, 0, keepdims=False)
     new = new_line(jnp.int32(0), line, ix[-1]).astype(s.dtype)
-    which = lax.broadcasted_iota(k.dtype, win.shape, 0)
     win = jnp.where(which == k, new[None], win)
-    return lax.dynamic_update_slice(s, win.reshape(sizes), start)
+    s = lax.dynamic_update_slice(
+        s, win.reshape(sizes), start, allow_negative_indices=False
+    )
+    return s, line
 
 
 def _shift(storage, tok, idx, axis, new_line, ordered, want_lines=False):
@@ -433,7 +453,7 @@ def _shift(storage, tok, idx, axis, new_line, ordered, want_lines=False):
     lines = None
     window = size == 1 and axis >= 1 and storage.shape[axis - 1] >= 2
     if window and not want_lines:
-        body = lambda j, s, idx: _window2_edit(s, _element(idx, j), axis, new_line)
+        body = lambda j, s, idx: _window2_edit(s, _element(idx, j), axis, new_line)[0]
         return _write(tok, size, body, storage, idx), None
     if ordered:
         starts = list(idx[:-1]) + [jnp.zeros_like(idx[-1])] * (storage.ndim - axis)
@@ -446,7 +466,7 @@ def _shift(storage, tok, idx, axis, new_line, ordered, want_lines=False):
         if lines is None:
             start, line = _read_line(s, ix, axis)
         elif window:
-            return _window2_edit(s, ix, axis, new_line, _take(lines, j))
+            return _window2_edit(s, ix, axis, new_line, _take(lines, j))[0]
         else:
             start, line = _line_start(ix, s.ndim), _take(lines, j)
         return _write_line(s, start, new_line(j, line, ix[-1]), axis)
@@ -466,31 +486,14 @@ def _insert_abstract(storage, tok, value, *idx, axis, ordered):
 
 
 def _reduce_readable(storage, size: int, axis: int) -> bool:
-    """Whether a pop can read its removed element with `_removed_by_reduce`:
-    unbatched, through a 2-line window (`_window2_edit`), a line of at least 2
-    elements (a reduction over 1 is simplified away), and a real or bool dtype."""
+    """Whether a pop can read its line through a reduction (`_window2_edit`'s
+    `reduce_line`): unbatched, through a 2-line window, and a real or bool dtype."""
     return (
         size == 1
         and axis >= 1
         and storage.shape[axis - 1] >= 2
-        and storage.shape[axis] >= 2
         and not jnp.issubdtype(storage.dtype, jnp.complexfloating)
     )
-
-
-def _removed_by_reduce(s, idx, axis):
-    """`s[idx]` (the element at `idx[-1]` along `axis`, a value of shape
-    `s.shape[axis + 1:]`), read by `_window_by_reduce` paired along `axis`.
-
-    A plain dynamic index is cheap, so XLA duplicates it into each of its consumers,
-    where it reads the storage unordered with respect to the shift that follows: a
-    copy (the single insert's gradient and the pop body). Through the reduction, the
-    shift's index (by the token) and the caller read one materialised value.
-    """
-    zero = jnp.zeros_like(idx[-1])
-    start = list(idx) + [zero] * (s.ndim - axis - 1)
-    sizes = (1,) * (axis + 1) + tuple(s.shape[axis + 1 :])
-    return _window_by_reduce(s, start, sizes, axis).reshape(s.shape[axis + 1 :])
 
 
 def _pop_impl(storage, tok, *idx, axis, fill, read, ordered):
@@ -500,16 +503,20 @@ def _pop_impl(storage, tok, *idx, axis, fill, read, ordered):
         storage, _ = _shift(storage, tok, idx, axis, new_line, ordered)
         return storage, jnp.zeros(bshape + storage.shape[axis + 1 :], storage.dtype)
     if _reduce_readable(storage, size, axis):
-        # Read the removed element through a reduction, straight-line, then shift
-        # with the write depending on it (see `_removed_by_reduce`). This holds
-        # after another straight-line write too (`ordered`), since every unbatched
-        # write spans two elements of each non-unit dimension (`_window2_edit`,
+        # Read the line through a reduction, straight-line, take the removed
+        # element out of it, and shift (see `_window2_edit`). This holds after
+        # another straight-line write too (`ordered`), since every unbatched write
+        # spans two elements of each non-unit dimension (`_window2_edit`,
         # `_widened_write`) and so is not fused into the read.
-        removed = _removed_by_reduce(storage, list(idx), axis)
-        tok = tok + opaque_zero(removed)
-        body = lambda j, s, idx: _window2_edit(s, _element(idx, j), axis, new_line)
-        storage = _write(tok, size, body, storage, idx)
-        return storage, removed.reshape(bshape + storage.shape[axis + 1 :])
+        def body(j, state, idx):
+            ix = _element(idx, j)
+            s, line = _window2_edit(state[0], ix, axis, new_line, reduce_line=True)
+            return s, lax.dynamic_index_in_dim(line, ix[-1], 0, keepdims=False)
+
+        vshape = storage.shape[axis + 1 :]
+        state = (storage, jnp.zeros(vshape, storage.dtype))
+        storage, removed = _write(tok, size, body, state, idx)
+        return storage, removed.reshape(bshape + vshape)
     # Otherwise the removed elements are read before the write (DESIGN.md rule 2)
     # from materialised lines: an ordered shift, its reads in a loop.
     storage, lines = _shift(storage, tok, idx, axis, new_line, True, True)
