@@ -168,6 +168,14 @@ def _line_start(idx: Sequence[jax.Array], ndim: int) -> list:
     return list(idx[:-1]) + [zero] * (ndim - len(idx) + 1)
 
 
+# `_NO_WRAP`: the straight-line reads and writes of unbatched accesses slice with
+# `allow_negative_indices=False`. Their indices are checked (or promised) to be in
+# range, and lax's wrapping of a negative start is a scalar `select` that XLA:CPU
+# often materialises as a kernel of its own, shared by a read and the write after
+# it (one more kernel per access, every step). A broken promise then gets XLA's
+# clamp of the start into range, with a negative start clamped to 0.
+
+
 def _widened_write(s, st, sizes, new_window):
     """`s` with the window `s[st : st + sizes]` replaced by `new_window(window)`,
     through a window 2 wide in every dimension where `sizes` is 1 and `s` is not.
@@ -193,7 +201,7 @@ def _widened_write(s, st, sizes, new_window):
     if tuple(wide) == tuple(sizes):
         old = lax.dynamic_slice(s, starts, sizes)
         return lax.dynamic_update_slice(s, new_window(old).astype(s.dtype), starts)
-    big = lax.dynamic_slice(s, starts, wide)
+    big = lax.dynamic_slice(s, starts, wide, allow_negative_indices=False)  # _NO_WRAP
     mask = None
     for d, k in enumerate(offs):
         if k is not None:
@@ -201,7 +209,7 @@ def _widened_write(s, st, sizes, new_window):
             mask = m_d if mask is None else mask & m_d
     assert mask is not None  # some dimension was widened
     new = jnp.where(mask, new_window(big).astype(s.dtype), big)
-    return lax.dynamic_update_slice(s, new, starts)
+    return lax.dynamic_update_slice(s, new, starts, allow_negative_indices=False)
 
 
 def _line_sizes(shape: tuple[int, ...], axis: int) -> tuple[int, ...]:
@@ -246,7 +254,7 @@ def _window_by_reduce(s, st, sizes, d: int):
     st[d] = i0
     wide = list(sizes)
     wide[d] = 2
-    pair = lax.dynamic_slice(s, st, wide)
+    pair = lax.dynamic_slice(s, st, wide, allow_negative_indices=False)  # _NO_WRAP
     pos = lax.broadcasted_iota(k.dtype, pair.shape, d)
     masked = jnp.where(pos == k, pair, _lowest(pair.dtype))
     return jnp.max(masked, axis=d, keepdims=True)
@@ -413,15 +421,12 @@ def _window2_edit(s, ix, axis, new_line, line=None, *, reduce_line=False):
     d = axis - 1
     n = s.shape[d]
     r = ix[d]
-    r = jnp.where(r < 0, r + n, r)  # a negative index counts from the end, as in lax
     r0 = jnp.minimum(r, n - 2)
     k = jnp.minimum(r - r0, 1)  # an index past the end is clamped, as in lax
     start = list(ix[:-1]) + [jnp.zeros_like(ix[-1])] * (s.ndim - axis)
     start[d] = r0
     sizes = (1,) * d + (2,) + tuple(s.shape[axis:])
-    # `r0` is already in range; lax's own wrapping of negative starts would be a
-    # scalar `select` that XLA:CPU materialises as a kernel of its own in a
-    # transposed pop (one more per step).
+    # Without lax's wrapping of negative starts (see `_NO_WRAP`).
     win = lax.dynamic_slice(s, start, sizes, allow_negative_indices=False)
     win = win.reshape((2,) + tuple(s.shape[axis:]))
     which = lax.broadcasted_iota(k.dtype, win.shape, 0)

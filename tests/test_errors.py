@@ -767,9 +767,10 @@ def test_promise_in_bounds_has_no_run_time_check():
     "start", [(5, 1), (-3, 1), (1, 9)], ids=["row+", "row-", "col+"]
 )
 def test_promised_window_ops_clamp_a_bad_start_as_lax_does(start):
-    # A broken promise is the caller's bug, but the result is still lax's: the start
-    # is clamped (the read of a 1-wide window pairs it with a neighbour, and the
-    # write widens it; neither may pick the wrong one).
+    # A broken promise is the caller's bug, but the result is still lax's for a
+    # start past the end, or one so negative that lax's wrapping lands it at 0: the
+    # start is clamped (the read of a 1-wide window pairs it with a neighbour, and
+    # the write widens it; neither may pick the wrong one).
     a = jnp.arange(12.0).reshape(3, 4)
     r, c = (jnp.int32(i) for i in start)
     read = jax.jit(
