@@ -268,14 +268,15 @@ def _raise_traced(
     index = jnp.argmax(bad)
     if recorded_index is not None:
         index = jnp.where(index == own, recorded_index, index)
-    # The check is threaded into this call's traced indices (all of them when none
-    # is traced but a recorded error is), so the access waits for it.
-    through = traced or list(range(len(values)))
-    checked = eqx.branched_error_if(
-        [values[k] for k in through], jnp.any(bad), index, msgs
-    )
-    for k, v in zip(through, checked):
-        values[k] = v
+    # The check is threaded into this call's indices, so the access waits for it:
+    # through one int32 that is 0 whenever the program goes on (`any(bad)` itself),
+    # added to each traced index (to every index when none is traced but a recorded
+    # error is). Passing the indices themselves through the conditional makes XLA
+    # materialise each one as a scalar kernel of its own before it.
+    any_bad = jnp.any(bad)
+    tok = eqx.branched_error_if(any_bad.astype(jnp.int32), any_bad, index, msgs)
+    for k in traced or range(len(values)):
+        values[k] = values[k] + tok.astype(jnp.asarray(values[k]).dtype)
     return values, error
 
 
