@@ -151,6 +151,37 @@ def test_traced_index_out_of_range_raises_when_the_jitted_function_runs(
 
 
 @requires_raise
+@pytest.mark.parametrize("op_name", ["pop", "dynamic_slice"])
+def test_with_every_traced_entry_out_of_range_the_first_is_named(op_name):
+    op, argname, bounds = OPS[op_name]
+    run = jax.jit(lambda x, r, c: op(x, (r, c)))
+    message = f"`{argname}`[0] is out of range: valid values are 0 to {bounds[0]}."
+    with pytest.raises(RUNTIME_ERRORS, match=re.escape(message)):
+        jax.block_until_ready(run(buffer(), jnp.int32(-1), jnp.int32(-1)))
+
+
+@requires_raise
+@pytest.mark.parametrize("read_bad", [True, False], ids=["read-bad", "read-ok"])
+def test_a_reads_own_bad_index_is_named_before_a_recorded_error(read_bad):
+    # A read checks its own indices and the buffer's recorded error in one check;
+    # its own message comes first, the edit's when only the record is set.
+    def run(x, edit_row, read_col):
+        sb = esb.ShiftBuffer.from_array(x).insert((edit_row, 0), 1.0)
+        return sb.dynamic_slice((0, read_col), (1, 2))
+
+    read_col = CAPACITY if read_bad else 0
+    message = (
+        "`start_indices`[1] is out of range: valid values are 0 to 2."
+        if read_bad
+        else edit_message("insert", 0)
+    )
+    with pytest.raises(RUNTIME_ERRORS, match=re.escape(message)):
+        jax.block_until_ready(
+            jax.jit(run)(buffer(), jnp.int32(ROWS), jnp.int32(read_col))
+        )
+
+
+@requires_raise
 def test_traced_index_out_of_range_under_filter_jit_is_an_equinox_runtime_error():
     run = eqx.filter_jit(lambda x, i: esb.insert(x, (0, i), 1.0))
     with pytest.raises(
