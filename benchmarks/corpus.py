@@ -42,9 +42,9 @@ library (checked) and the `custom_vjp`, with `--long-steps` (default 4x) steps.
 
 The "(one-off floor)" row times that one-off work alone (`one_off_floor`: the copy
 and the cotangent, nothing else) at each size: its "grad ms" at 1x and its growth.
-The acceptance lines then say whether growth <= 1.3 is possible at all for the
-body, `(grad(1x) + floor(16x) - floor(1x)) / grad(1x)` being the least growth of
-any gradient that does that work.
+The acceptance lines end with `(grad(1x) + floor(16x) - floor(1x)) / grad(1x)`, the
+growth that work alone would give the gradient. It is an estimate, not a bound:
+timed alone, the same operations can cost more or less than inside the gradient.
 
 Times are the best of `--repeat` batches of about 0.05 s, the batches of all
 versions and sizes of a body taken in turn, so that a slow spell on a shared
@@ -378,11 +378,6 @@ def main() -> None:
             ("grad/fwd<=4", e["ratio"] <= 4, f"{e['ratio']:.2f}"),
             ("growth<=1.3", e["growth"] <= 1.3, f"{e['growth']:.2f}"),
             (
-                "growth<=1.3 possible",
-                e["growth_bound"] <= 1.3,
-                f"(floor alone: >= {e['growth_bound']:.2f})",
-            ),
-            (
                 "per-step growth<=1.3",
                 e["step_growth"] <= 1.3,
                 f"{e['step_growth']:.2f}",
@@ -415,6 +410,7 @@ def main() -> None:
             + "  ".join(
                 f"{'PASS' if ok else 'FAIL'} {lab} {val}" for lab, ok, val in checks
             )
+            + f"  (growth of grad(1x) + the one-off floor: {e['growth_bound']:.2f})"
         )
 
     if opts.plot:
