@@ -232,6 +232,16 @@ def _lowest(dtype) -> jax.Array:
     return jnp.asarray(-jnp.inf, dtype)
 
 
+def _pick_by_max(pair, k, d: int, keepdims: bool = False):
+    """Element `k` (0 or 1) of `pair` along `d`, where `pair` is 2 wide: a `max`
+    with the other element masked to the dtype's lowest value, exact for every
+    value (-0.0, inf and NaN included). XLA materialises a reduction once instead
+    of duplicating it into its consumers (see `_window_by_reduce`)."""
+    pos = lax.broadcasted_iota(k.dtype, pair.shape, d)
+    masked = jnp.where(pos == k, pair, _lowest(pair.dtype))
+    return jnp.max(masked, axis=d, keepdims=keepdims)
+
+
 def _pair_dim(sizes: Sequence[int], shape: Sequence[int]) -> int | None:
     """The first dimension a window of `sizes` is 1 wide in and the buffer is not."""
     return next((d for d, n in enumerate(sizes) if n == 1 and shape[d] >= 2), None)
@@ -255,9 +265,7 @@ def _window_by_reduce(s, st, sizes, d: int):
     wide = list(sizes)
     wide[d] = 2
     pair = lax.dynamic_slice(s, st, wide, allow_negative_indices=False)  # _NO_WRAP
-    pos = lax.broadcasted_iota(k.dtype, pair.shape, d)
-    masked = jnp.where(pos == k, pair, _lowest(pair.dtype))
-    return jnp.max(masked, axis=d, keepdims=True)
+    return _pick_by_max(pair, k, d, keepdims=True)
 
 
 def _reduce_read(storage, size: int, sizes: Sequence[int]) -> int | None:
@@ -429,17 +437,23 @@ def _window2_edit(s, ix, axis, new_line, line=None, *, reduce_line=False):
     # Without lax's wrapping of negative starts (see `_NO_WRAP`).
     win = lax.dynamic_slice(s, start, sizes, allow_negative_indices=False)
     win = win.reshape((2,) + tuple(s.shape[axis:]))
-    which = lax.broadcasted_iota(k.dtype, win.shape, 0)
     if reduce_line:
-        line = jnp.max(jnp.where(which == k, win, _lowest(win.dtype)), axis=0)
+        line = _pick_by_max(win, k, 0)
     elif line is None:
         line = lax.dynamic_index_in_dim(win, k, 0, keepdims=False)
     new = new_line(jnp.int32(0), line, ix[-1]).astype(s.dtype)
+    which = lax.broadcasted_iota(k.dtype, win.shape, 0)
     win = jnp.where(which == k, new[None], win)
     s = lax.dynamic_update_slice(
         s, win.reshape(sizes), start, allow_negative_indices=False
     )
     return s, line
+
+
+def _windowed(storage, size: int, axis: int) -> bool:
+    """Whether a shift edits its line through a 2-line window (`_window2_edit`):
+    unbatched, with a line before the shift axis to pair it with."""
+    return size == 1 and axis >= 1 and storage.shape[axis - 1] >= 2
 
 
 def _shift(storage, tok, idx, axis, new_line, ordered, want_lines=False):
@@ -456,7 +470,7 @@ def _shift(storage, tok, idx, axis, new_line, ordered, want_lines=False):
     """
     bshape, size = _batch_size(idx)
     lines = None
-    window = size == 1 and axis >= 1 and storage.shape[axis - 1] >= 2
+    window = _windowed(storage, size, axis)
     if window and not want_lines:
         body = lambda j, s, idx: _window2_edit(s, _element(idx, j), axis, new_line)[0]
         return _write(tok, size, body, storage, idx), None
@@ -492,12 +506,9 @@ def _insert_abstract(storage, tok, value, *idx, axis, ordered):
 
 def _reduce_readable(storage, size: int, axis: int) -> bool:
     """Whether a pop can read its line through a reduction (`_window2_edit`'s
-    `reduce_line`): unbatched, through a 2-line window, and a real or bool dtype."""
-    return (
-        size == 1
-        and axis >= 1
-        and storage.shape[axis - 1] >= 2
-        and not jnp.issubdtype(storage.dtype, jnp.complexfloating)
+    `reduce_line`): a shift through a 2-line window, of a real or bool dtype."""
+    return _windowed(storage, size, axis) and not jnp.issubdtype(
+        storage.dtype, jnp.complexfloating
     )
 
 
