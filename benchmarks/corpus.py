@@ -26,10 +26,11 @@ only, so the work per step is the same and a time that grows with the buffer mea
 per-iteration copy (the cache body attends over the whole cache, so its work grows).
 
 Printed per body and version: forward ms, gradient ms, their ratio, compile seconds
-(forward + gradient, lowering included; the least of the three sizes' compiles), gradient time at 16x rows over 1x ("growth"), the same for the
-cost of one more step ("step gr", see below), per-iteration copies in the compiled
-gradient, and whether value and gradient match plain autodiff. Then the acceptance
-checks of issue 3 for `eqx_shiftbuf`.
+(forward + gradient, lowering included; the least of the three sizes' compiles),
+gradient time at 16x rows over 1x ("growth"), the same for the cost of one more
+step ("step gr", see below), per-iteration copies in the compiled gradient, and
+whether value and gradient match plain autodiff. Then the acceptance checks of
+issue 3 for `eqx_shiftbuf`.
 
 "growth" includes one-off work on the whole buffer that any gradient with respect
 to the initial buffer does once, outside the loops (a copy of the non-donated
@@ -193,8 +194,9 @@ def one_off_floor(active_rows):
     loops, whatever computes it (this library, plain `lax`, a `custom_vjp`): a copy
     of the initial buffer, which is not donated, for the forward loop to update in
     place, and the cotangent of the final buffer, of which the loss reads the first
-    `active_rows` rows. Timed as a program of just that, at each buffer size: its
-    growth bounds from below the growth of any such gradient."""
+    `active_rows` rows. Timed as a program of just that, at each buffer size: an
+    estimate of what that work adds to a gradient's growth, not a bound (inside a
+    gradient the same operations can cost more or less than alone)."""
 
     def floor(init, s):
         start = init.at[(0,) * init.ndim].set(s)  # copy(init), then one in-place write
@@ -326,8 +328,7 @@ def main() -> None:
             extra = best[vname, mult, "long"] - best[vname, mult, "grad"]
             return extra / (long_steps - opts.steps)
 
-        # The least growth any gradient of this loss can have: its 1x time plus the
-        # growth of the one-off floor alone.
+        # The growth the one-off work alone would give a gradient (an estimate).
         floor_ms = [best["floor", k, "grad"] for k in MULTIPLIERS]
         print(
             f"{name:<20} {'(one-off floor)':<33} {'':>8} {floor_ms[0]:8.3f} {'':>6} "
