@@ -12,6 +12,7 @@ from ._ops import (
     dynamic_update_slice as dynamic_update_slice,
     insert as insert,
     pop as pop,
+    read as read,
 )
 from ._scan import scan as scan
 from ._writeonce import WriteOnceBuffer as WriteOnceBuffer

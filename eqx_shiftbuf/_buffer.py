@@ -7,9 +7,11 @@ from typing import Any
 
 import equinox as eqx
 import jax.numpy as jnp
+import jax.tree_util as jtu
 from jaxtyping import Array, ArrayLike
 
-from . import _ops, _tokens
+from . import _ops
+from ._primitives import new_token
 
 
 class ShiftBuffer(eqx.Module):
@@ -20,8 +22,24 @@ class ShiftBuffer(eqx.Module):
     operations return new `ShiftBuffer`s; inside a loop, XLA updates the storage in
     place, in the forward pass and in the derivatives.
 
-    Create one with [`eqx_shiftbuf.ShiftBuffer.zeros`][] or
-    [`eqx_shiftbuf.ShiftBuffer.from_array`][]; `.array` is its contents.
+    Create one with `ShiftBuffer(array, axis=-1, fill=0)`,
+    [`eqx_shiftbuf.ShiftBuffer.zeros`][] or
+    [`eqx_shiftbuf.ShiftBuffer.from_array`][] (all three build the same pytree);
+    `.array` is its contents.
+
+    **Reading inside a loop.** Nothing mutates a buffer: like an
+    `equinox.nn.State`, an operation returns the buffer to carry on with. A read
+    comes in two forms. `buf.dynamic_slice(...)` and `buf.array` return only the
+    values; `buf, window = buf.read(start_indices, slice_sizes)` and
+    `buf, contents = buf.read()` also return the buffer, whose token (a scalar
+    leaf, `_token`) makes the next edit wait for the read. Inside a loop use
+    `read`: after `dynamic_slice`, an edit that does not use the values read, or
+    returning the buffer from the step, copies the whole buffer every step.
+
+    **A batch of buffers** (`jax.vmap(ShiftBuffer.from_array)(arrays)`,
+    `eqx.filter_vmap`, or what a vmapped edit returns) is the same pytree with a
+    leading batch axis on every leaf: `.batch_shape` is that shape, `.array` and
+    `.shape` include it, and edits and window reads apply under `jax.vmap`.
 
     The storage layout is private. At present it is the logical array itself: each
     edit reads and writes one window or one line (see `eqx_shiftbuf._primitives`),
@@ -34,31 +52,50 @@ class ShiftBuffer(eqx.Module):
     edit inside a loop costs as much as the edit itself on XLA:CPU; a recorded
     error costs one scalar `select`. Whatever a bad edit did is never seen: every
     way to see the contents raises first. The record is the scalar leaf `_error`
-    of the pytree (0: no error). It is a float32, not an integer, so that
-    `jax.grad` and `jax.jvp` accept a `ShiftBuffer` argument as they accept an
-    array (its gradient is always 0).
+    of the pytree (0: no error). It and the token are float32, not integers, so
+    that `jax.grad` and `jax.jvp` accept a `ShiftBuffer` argument as they accept an
+    array (their gradients are always 0).
     """
 
     _storage: Array
     axis: int = eqx.field(static=True)
-    fill: bool | int | float = eqx.field(static=True, default=0)
+    fill: bool | int | float = eqx.field(static=True)
     # The deferred index error: 0, or the code of the first bad edit's message (see
-    # `_ops.deferred_code`), as a float32 scalar. None: check every call at once
-    # (the buffers that `esb.scan` hands to a body for `buffers=`, which have
-    # nowhere to keep it).
-    _error: Array | None = None
+    # `_ops.deferred_code`), as a float32 scalar (one per buffer in a batch).
+    _error: Array
+    # The token of the last access (see `_primitives`, "Binding helpers"): a float32
+    # run-time zero that the next access waits for (one per buffer in a batch).
+    _token: Array
 
-    @classmethod
-    def _from_storage(
-        cls, storage: Any, axis: int, fill: Any, error: Any = None
-    ) -> "ShiftBuffer":
-        return cls(storage, axis, fill, error)
+    def __init__(self, array: ArrayLike, axis: int = -1, fill: bool | int | float = 0):
+        """**Arguments:**
+
+        - `array`: the initial contents, at least 1-D.
+        - `axis`: the shift axis of `insert`/`delete`/`pop`. Dimensions before it
+          select a line; dimensions after it are the shape of one element (a feature
+          vector, say).
+        - `fill`: what `delete`/`pop` shift in at the end of a line.
+        """
+        arr = jnp.asarray(array)
+        if arr.ndim == 0:
+            raise ValueError("`array` must have at least one dimension; got a scalar.")
+        self._storage = arr
+        self.axis = _ops.normalise_axis(axis, arr.ndim)
+        self.fill = _ops._check_fill(fill, arr.dtype)
+        self._error = jnp.zeros((), jnp.float32)
+        self._token = new_token()
+
+    def _replace(self, storage: Any, error: Any, token: Any) -> "ShiftBuffer":
+        """This buffer with new leaves (same axis and fill): what an operation
+        returns. Built by unflattening, so `__init__`'s conversions do not run."""
+        return jtu.tree_unflatten(jtu.tree_structure(self), [storage, error, token])
 
     @classmethod
     def from_array(
         cls, array: ArrayLike, *, axis: int = -1, fill: bool | int | float = 0
     ) -> "ShiftBuffer":
-        """A buffer holding `array`, shifted along `axis`.
+        """A buffer holding `array`, shifted along `axis`: `ShiftBuffer(array, axis,
+        fill)`.
 
         **Arguments:**
 
@@ -72,12 +109,7 @@ class ShiftBuffer(eqx.Module):
 
         The `ShiftBuffer`.
         """
-        arr = jnp.asarray(array)
-        if arr.ndim == 0:
-            raise ValueError("`array` must have at least one dimension; got a scalar.")
-        ax = _ops.normalise_axis(axis, arr.ndim)
-        fill = _ops._check_fill(fill, arr.dtype)
-        return cls(arr, ax, fill, jnp.zeros((), jnp.float32))
+        return cls(array, axis, fill)
 
     @classmethod
     def zeros(
@@ -101,7 +133,7 @@ class ShiftBuffer(eqx.Module):
 
         The `ShiftBuffer`.
         """
-        return cls.from_array(jnp.zeros(tuple(shape), dtype), axis=axis, fill=fill)
+        return cls(jnp.zeros(tuple(shape), dtype), axis, fill)
 
     # -- the logical view
 
@@ -110,18 +142,25 @@ class ShiftBuffer(eqx.Module):
         """The contents, an array of shape `self.shape`.
 
         Raises (through `equinox.error_if`) if an earlier edit had a traced index out
-        of range.
+        of range. Inside a loop, prefer `buf, contents = buf.read()`: the check
+        rewrites a corner of the storage in place, and a later use of `buf` itself
+        (an edit, or returning it from the step) then copies the buffer.
         """
-        storage = _ops.raise_deferred(self._storage, self._error)
-        if storage is not self._storage and _tokens.same_trace(storage, self._storage):
-            # The checked storage replaces the old one in this buffer too, as a read
-            # does (`_ops.dynamic_slice`): the check writes it in place, so a later
-            # edit of the old value would copy it.
-            object.__setattr__(self, "_storage", storage)
-        return storage
+        return _ops.raise_deferred(self._storage, self._error, self.batch_shape)
+
+    @property
+    def batch_shape(self) -> tuple[int, ...]:
+        """`()` for one buffer; the leading batch shape of a batch of buffers (what
+        `jax.vmap(ShiftBuffer.from_array)(arrays)` or `eqx.filter_vmap` returns).
+
+        `.array` and `.shape` of a batch include the batch dimensions; edits and
+        window reads apply to one buffer, under `jax.vmap`.
+        """
+        return tuple(jnp.shape(self._error))
 
     @property
     def shape(self) -> tuple[int, ...]:
+        """The shape of `.array` (with the batch dimensions, for a batch)."""
         return tuple(self._storage.shape)
 
     @property
@@ -135,9 +174,20 @@ class ShiftBuffer(eqx.Module):
     @property
     def capacity(self) -> int:
         """The length of a line along the shift axis."""
-        return self._storage.shape[self.axis]
+        return self._storage.shape[len(self.batch_shape) + self.axis]
 
     # -- operations
+
+    def read(
+        self,
+        start_indices: Sequence[_ops.Index] | None = None,
+        slice_sizes: Sequence[int] | None = None,
+        *,
+        mode: str | None = None,
+    ) -> tuple["ShiftBuffer", Array]:
+        """Read a window (or, with no arguments, the whole contents) and return the
+        buffer to carry on with: `(buffer, window)`. See [`eqx_shiftbuf.read`][]."""
+        return _ops.read(self, start_indices, slice_sizes, mode=mode)
 
     def dynamic_slice(
         self,

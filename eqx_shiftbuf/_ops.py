@@ -19,7 +19,7 @@ from jax import lax
 from jax.core import Tracer
 from jaxtyping import Array, ArrayLike, Int
 
-from . import _primitives as P, _tokens
+from . import _primitives as P
 
 
 if TYPE_CHECKING:
@@ -154,13 +154,20 @@ def _code_index(error: Any, last: int) -> jax.Array:
     return jnp.clip(error.astype(jnp.int32) - 1, 0, last)
 
 
-def raise_deferred(storage: jax.Array, error: Any) -> jax.Array:
+def raise_deferred(
+    storage: jax.Array, error: Any, batch_shape: tuple[int, ...] = ()
+) -> jax.Array:
     """`storage`, made to raise first (at run time) the error `error` records, if any.
 
     The caller must use the returned storage in place of `storage` from then on.
+    For a batch of buffers (`batch_shape`, the shape of `error`), the error of the
+    first buffer in the batch that has one is raised.
     """
     if not _may_be_set(error):
         return storage
+    if batch_shape:
+        flat = jnp.reshape(error, (-1,))
+        error = flat[jnp.argmax(flat != 0)]
     msgs, last = _deferred_messages()
     pred, index = error != 0, _code_index(error, last)
     if os.environ.get("EQX_ON_ERROR", "raise") != "raise" or storage.size == 0:
@@ -423,10 +430,24 @@ def _unwrap_eqx(buf: Any) -> jax.Array:
     return buf[...]
 
 
-def _storage_and_axis(x: Any, axis: Any, fill: Any) -> tuple[Any, int, Any]:
+def check_unbatched(x: ShiftBuffer, name: str) -> None:
+    """Refuse a batch of buffers (see `ShiftBuffer.batch_shape`) outside `vmap`."""
+    if x.batch_shape:
+        raise TypeError(
+            f"esb.{name}: this ShiftBuffer is a batch of buffers (batch shape "
+            f"{x.batch_shape}, as `jax.vmap` or `eqx.filter_vmap` returns it), and "
+            f"esb.{name} edits or reads one buffer at indices for one buffer. Apply "
+            f"it under `jax.vmap` (or `eqx.filter_vmap`) over the batch, e.g. "
+            f"`jax.vmap(lambda b, i: ...)(buffers, indices)`. `.array` and `.shape` "
+            "work on the whole batch."
+        )
+
+
+def _storage_and_axis(x: Any, axis: Any, fill: Any, name: str) -> tuple[Any, int, Any]:
     """(storage array, non-negative axis, fill) for any kind of buffer."""
     SB = ShiftBufferType()
     if isinstance(x, SB):
+        check_unbatched(x, name)
         if axis is not None and normalise_axis(axis, x.ndim) != x.axis:
             raise ValueError(
                 f"`axis`={axis} differs from the ShiftBuffer's own axis {x.axis}; "
@@ -449,16 +470,16 @@ def _storage_and_axis(x: Any, axis: Any, fill: Any) -> tuple[Any, int, Any]:
     return arr, normalise_axis(axis, arr.ndim), 0 if fill is None else fill
 
 
-def _base_token(storage: Any, arrays: Sequence[Any]) -> jax.Array:
-    """An opaque run-time zero for a loop's trip count (see `_primitives`).
+def _token_of(x: Any) -> jax.Array:
+    """The token of the last access of `x` (see `_primitives`, "Binding helpers").
 
-    Taken from the first traced index or value; with none (every index a constant),
-    from one element of the storage, so that XLA still cannot unroll the loop.
+    A `ShiftBuffer` keeps it as its `_token` leaf, which its operations thread; any
+    other buffer has none, so an access of a plain array is ordered after earlier
+    reads of it only through the values it uses.
     """
-    for a in arrays:
-        if isinstance(a, Tracer):
-            return P.opaque_zero(a)
-    return P.opaque_zero(lax.stop_gradient(storage.reshape(-1)[:1]))
+    if isinstance(x, ShiftBufferType()):
+        return x._token
+    return P.new_token()
 
 
 def _error_of(x: Any) -> Any:
@@ -466,10 +487,10 @@ def _error_of(x: Any) -> Any:
     return x._error if isinstance(x, ShiftBufferType()) else None
 
 
-def _rebuild(x: Any, storage: Any, error: Any = None) -> Any:
-    SB = ShiftBufferType()
-    if isinstance(x, SB):
-        return SB._from_storage(storage, x.axis, x.fill, error)
+def _rebuild(x: Any, storage: Any, error: Any, token: Any) -> Any:
+    """A buffer of the kind of `x` holding `storage`, with `x`'s static fields."""
+    if isinstance(x, ShiftBufferType()):
+        return x._replace(storage, error, token)
     return storage
 
 
@@ -540,11 +561,55 @@ def dynamic_slice(
 
     The window, an array of shape `slice_sizes`.
     """
+    return read(x, start_indices, slice_sizes, mode=mode)[1]
+
+
+def read(
+    x: BufferLike,
+    start_indices: Sequence[Index] | None = None,
+    slice_sizes: Sequence[int] | None = None,
+    *,
+    mode: str | None = None,
+) -> tuple[Any, Array]:
+    """Read a window of a buffer, and return the buffer to use from then on.
+
+    `esb.read(x, start_indices, slice_sizes)` is `(x2, window)` with `window ==
+    esb.dynamic_slice(x, start_indices, slice_sizes)`; with neither given it reads
+    the whole contents (`x.array` for a `ShiftBuffer`, raising a recorded index
+    error as `.array` does). `x2` holds the same values as `x`. This is the form to
+    use inside a loop, as an `equinox.nn.State` is used: carry on with `x2`, not
+    `x`.
+
+    Why: XLA updates a loop-carried buffer in place only when every read of it is
+    ordered before the next write by data dependence. `x2` (a `ShiftBuffer`)
+    carries a token that the next edit of `x2` waits for, and its storage is the
+    read's output, so that under `jax.grad` the read's cotangent is added into the
+    buffer's cotangent in place. `esb.dynamic_slice` returns only the window: a
+    later edit of `x` that does not use the window's values, or a step that returns
+    `x` after reading it, then copies the buffer (or, under `jax.grad`, adds a
+    buffer-sized cotangent) every step. On a plain array, `x2` is the read's output
+    array but carries no token: carry a `ShiftBuffer` to order reads and writes.
+
+    **Arguments:** as for [`eqx_shiftbuf.dynamic_slice`][]; `start_indices` and
+    `slice_sizes` are given together or not at all.
+
+    **Returns:**
+
+    `(x2, window)`: the buffer, of the same kind as `x`, and the window (or the
+    whole contents).
+    """
+    if (start_indices is None) != (slice_sizes is None):
+        raise TypeError(
+            "esb.read: give both `start_indices` and `slice_sizes` (a window), or "
+            "neither (the whole contents)."
+        )
+    if start_indices is None:
+        return _read_all(x)
     if _is_write_once(x):
-        return x.dynamic_slice(start_indices, slice_sizes, mode=mode)
-    storage, _, _ = _storage_and_axis(x, None, None)
+        return x, x.dynamic_slice(start_indices, slice_sizes, mode=mode)
+    storage, _, _ = _storage_and_axis(x, None, None, "dynamic_slice")
     sizes = check_sizes(slice_sizes, storage.shape)
-    starts, _ = check_starts(
+    starts, error = check_starts(
         start_indices,
         storage.shape,
         sizes,
@@ -554,15 +619,19 @@ def dynamic_slice(
         error=_error_of(x),
     )
     if _EqxBuffer and isinstance(x, _EqxBuffer):
-        return lax.dynamic_slice(storage, starts, sizes)
-    tok = _base_token(storage, starts)
-    new_storage, window, _ = P.bind_read(storage, tok, starts, sizes)
-    if isinstance(x, ShiftBufferType()) and _tokens.same_trace(new_storage, storage):
-        # Thread the read through the buffer object itself, so that whatever the
-        # caller does next with `x` (write it, or return it from a scan step) uses the
-        # storage the read returned: see `_primitives`, "Why reads return the storage".
-        object.__setattr__(x, "_storage", new_storage)
-    return window
+        return x, lax.dynamic_slice(storage, starts, sizes)
+    new_storage, window, tok = P.bind_read(storage, _token_of(x), starts, sizes)
+    return _rebuild(x, new_storage, error, tok), window
+
+
+def _read_all(x: Any) -> tuple[Any, Array]:
+    if _is_write_once(x):
+        return x, x.array
+    if isinstance(x, ShiftBufferType()):
+        storage = raise_deferred(x._storage, x._error, x.batch_shape)
+        return x._replace(storage, x._error, x._token), storage
+    storage, _, _ = _storage_and_axis(x, None, None, "read")
+    return storage, storage
 
 
 def dynamic_update_slice(
@@ -589,7 +658,7 @@ def dynamic_update_slice(
     """
     if _is_write_once(x):
         return x.dynamic_update_slice(update, start_indices, mode=mode)
-    storage, _, _ = _storage_and_axis(x, None, None)
+    storage, _, _ = _storage_and_axis(x, None, None, "dynamic_update_slice")
     upd = jnp.asarray(update)
     if upd.ndim != storage.ndim:
         raise ValueError(
@@ -615,9 +684,8 @@ def dynamic_update_slice(
     )
     if _EqxBuffer and isinstance(x, _EqxBuffer):
         return x.at[_eqx_window_index(starts, upd.shape)].set(upd)
-    tok = _base_token(storage, starts + [upd])
-    new_storage, _ = P.bind_swap(storage, tok, upd, starts, read=False)
-    return _rebuild(x, new_storage, error)
+    new_storage, _, tok = P.bind_swap(storage, _token_of(x), upd, starts, read=False)
+    return _rebuild(x, new_storage, error, tok)
 
 
 def insert(
@@ -650,14 +718,14 @@ def insert(
     The buffer after the insert, of the same kind as `x`.
     """
     _refuse_eqx_shift(x, "insert")
-    storage, ax, _ = _storage_and_axis(x, axis, None)
+    storage, ax, _ = _storage_and_axis(x, axis, None, "insert")
     idx, error = check_index(
         index, storage.shape, ax, mode, op="insert", error=_error_of(x), defer=True
     )
     vshape = storage.shape[ax + 1 :]
     val = check_value(value, vshape, storage.dtype, "value", f"x.shape[{ax}+1:]")
-    tok = _base_token(storage, idx + [val])
-    return _rebuild(x, P.bind_insert(storage, tok, val, idx, ax), error)
+    new_storage, tok = P.bind_insert(storage, _token_of(x), val, idx, ax)
+    return _rebuild(x, new_storage, error, tok)
 
 
 def pop(
@@ -690,8 +758,7 @@ def pop(
     `(buffer, removed)`: the buffer after the removal, of the same kind as `x`, and
     the removed element, of shape `x.shape[axis+1:]`.
     """
-    new_storage, removed, error = _pop(x, index, axis, fill, mode, read=True)
-    return _rebuild(x, new_storage, error), removed
+    return _pop(x, index, axis, fill, mode, read=True)
 
 
 def delete(
@@ -712,18 +779,17 @@ def delete(
 
     The buffer after the removal, of the same kind as `x`.
     """
-    new_storage, _, error = _pop(x, index, axis, fill, mode, read=False)
-    return _rebuild(x, new_storage, error)
+    return _pop(x, index, axis, fill, mode, read=False)[0]
 
 
 def _pop(x, index, axis, fill, mode, read: bool):
-    """The shared body of `pop` and `delete`: `(new storage, removed, error)`.
+    """The shared body of `pop` and `delete`: `(new buffer, removed)`.
 
     A `delete` of a `ShiftBuffer` defers its index check; a `pop` reads, so it
     raises at once, together with any error an earlier edit recorded.
     """
     _refuse_eqx_shift(x, "pop/delete")
-    storage, ax, fill = _storage_and_axis(x, axis, fill)
+    storage, ax, fill = _storage_and_axis(x, axis, fill, "pop" if read else "delete")
     fill = _check_fill(fill, storage.dtype)
     idx, error = check_index(
         index,
@@ -734,9 +800,10 @@ def _pop(x, index, axis, fill, mode, read: bool):
         error=_error_of(x),
         defer=not read,
     )
-    tok = _base_token(storage, idx)
-    new_storage, removed = P.bind_pop(storage, tok, idx, ax, fill, read=read)
-    return new_storage, removed, error
+    new_storage, removed, tok = P.bind_pop(
+        storage, _token_of(x), idx, ax, fill, read=read
+    )
+    return _rebuild(x, new_storage, error, tok), removed
 
 
 def _check_fill(fill: Any, dtype: Any) -> Any:

@@ -21,9 +21,10 @@ but not provable at compile time (a static trip count of 1 is simplified away:
 much as a small edit. So:
 
 - *Reads* (`read_p`, and the read half of `pop_p` and of `swap_p` when it returns
-  the old window) produce one materialised value, and return a *token* (an int32
-  zero that XLA cannot prove is zero, computed from that value) that the next
-  access adds to one of its indices, so that access depends on the read. Unbatched,
+  the old window) produce one materialised value. `read_p` returns a *token* (a
+  float32 zero that XLA cannot prove is zero, computed from that value) that the
+  next access adds to one of its indices, so that access depends on the read (see
+  "Binding helpers" for how tokens are threaded, through values only). Unbatched,
   the value is a reduction: a masked `max` over the window and its neighbour along
   a dimension it is 1 wide in (`_window_by_reduce`; a pop reduces its line and
   its neighbour, `_window2_edit`), which XLA materialises once instead of
@@ -42,17 +43,19 @@ much as a small edit. So:
   as in plain `lax`; an accumulation followed by a pop, twice, in the `mixed`
   body's gradient). A widened write is not duplicated, so a read that follows a
   write in the same step needs no loop for that.
-- A tangent or cotangent access does not take the primal access's token
-  (`_untied`): it orders a different buffer, and as an operand of the tangent
-  access it would be a residual saved every step.
+- A tangent or cotangent access takes the tangent or cotangent of the primal
+  access's token, not the primal token: it orders a different buffer, and as an
+  operand of the tangent access the primal token would be a residual saved every
+  step.
 
 Unbatched steps on buffers with at least two lines thus have no loop inside their
 forward or backward pass.
 
 **Why reads return the storage.** `read_p` returns the storage it read from, and the
-caller uses that output afterwards. In the linearised program the storage tangent
-then has a single use, so the transpose accumulates the window cotangent into the
-storage cotangent in place (`accum_p`), instead of adding two full-size cotangents.
+caller uses that output afterwards (`esb.read` returns it in the buffer). In the
+linearised program the storage tangent then has a single use, so the transpose
+accumulates the window cotangent into the storage cotangent in place (`accum_p`),
+instead of adding two full-size cotangents.
 
 **Batching.** Every index operand has the same shape `S` (the "batch" shape, `()`
 when unbatched); an operand holding values has shape `S + value_shape`. The loop runs
@@ -75,8 +78,6 @@ from jax.core import ShapedArray
 from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 
-from . import _tokens
-
 
 # ---------------------------------------------------------------------------
 # Helpers shared by the lowerings.
@@ -96,15 +97,37 @@ def opaque_zero(x: Any) -> jax.Array:
     return (first > jnp.inf).astype(jnp.int32)
 
 
+TOKEN_DTYPE = jnp.float32
+
+
+def new_token() -> jax.Array:
+    """A token that orders nothing: the constant zero."""
+    return jnp.zeros((), TOKEN_DTYPE)
+
+
+def _index_zero(tok) -> jax.Array:
+    """`tok` (a float32 run-time zero) as an int32 zero, to add to an index."""
+    return tok.astype(jnp.int32)
+
+
+def _read_token(tok, value) -> jax.Array:
+    """The token a read returns: `tok` plus a run-time zero made from `value`.
+
+    The next access adds it to an index (or a trip count), so it runs after this
+    read and after every access `tok` already waits for.
+    """
+    return tok + opaque_zero(value).astype(TOKEN_DTYPE)
+
+
 def _loop(tok, size: int, body: Callable, state):
     """Run `body(j, state)` for `j` in `range(size)` in a loop XLA can't unroll.
 
     `state`'s first leaf is the storage. Its first element adds a run-time zero to
-    the trip count: a tangent or cotangent access gets a constant `tok`
-    (`_untied`), and XLA removes a loop whose trip count it knows to be 1.
+    the trip count: `tok` may be a constant (a buffer's first access), and XLA
+    removes a loop whose trip count it knows to be 1.
     """
     anchor = jax.tree.leaves(state)[0]
-    n = jnp.int32(size) + tok + opaque_zero(anchor.reshape(-1)[:1])
+    n = jnp.int32(size) + _index_zero(tok) + opaque_zero(anchor.reshape(-1)[:1])
     return lax.fori_loop(jnp.int32(0), n, body, state)
 
 
@@ -120,7 +143,7 @@ def _write(
     if size == 1:
         idx = list(idx)
         if at is not None:
-            idx[at] = idx[at] + tok.astype(idx[at].dtype)
+            idx[at] = idx[at] + _index_zero(tok).astype(idx[at].dtype)
         return body(jnp.int32(0), state, idx)
     return _loop(tok, size, lambda j, st: body(j, st, idx), state)
 
@@ -282,7 +305,7 @@ def _read_impl(storage, tok, *starts, sizes):
     if d is not None:
         window = _window_by_reduce(storage, _element(starts, 0), sizes, d)
         out = window.reshape(bshape + tuple(sizes))
-        return storage, out, opaque_zero(out)
+        return storage, out, _read_token(tok, out)
 
     free = _free_dim(sizes, storage.shape)
 
@@ -303,7 +326,7 @@ def _read_impl(storage, tok, *starts, sizes):
     out = jnp.zeros((size,) + tuple(sizes), storage.dtype)
     storage, out = _loop(tok, size, body, (storage, out))
     out = out.reshape(bshape + tuple(sizes))
-    return storage, out, opaque_zero(out)
+    return storage, out, _read_token(tok, out)
 
 
 def _read_abstract(storage, tok, *starts, sizes):
@@ -311,11 +334,12 @@ def _read_abstract(storage, tok, *starts, sizes):
     return (
         storage,
         ShapedArray(bshape + tuple(sizes), storage.dtype),
-        ShapedArray((), jnp.int32),
+        tok,
     )
 
 
 def _accum_impl(storage, tok, window, *starts, ordered):
+    tok_in = tok
     bshape, size = _batch_size(starts)
     window = _flat(window, bshape)
     olds = None
@@ -332,14 +356,15 @@ def _accum_impl(storage, tok, window, *starts, ordered):
         return lax.dynamic_update_slice(s, old + w, st)
 
     at = _free_dim(window.shape[1:], storage.shape)
-    return (_write(tok, size, body, storage, starts, at),)
+    return _write(tok, size, body, storage, starts, at), tok_in
 
 
 def _accum_abstract(storage, tok, window, *starts, ordered):
-    return (storage,)
+    return storage, tok
 
 
 def _swap_impl(storage, tok, update, *starts, read):
+    tok_in = tok
     bshape, size = _batch_size(starts)
     update = _flat(update, bshape)
     if read:
@@ -359,11 +384,11 @@ def _swap_impl(storage, tok, update, *starts, read):
 
     at = _free_dim(update.shape[1:], storage.shape)
     storage = _write(tok, size, body, storage, starts, at)
-    return storage, old.reshape(bshape + update.shape[1:])
+    return storage, old.reshape(bshape + update.shape[1:]), tok_in
 
 
 def _swap_abstract(storage, tok, update, *starts, read):
-    return storage, ShapedArray(update.shape, update.dtype)
+    return storage, ShapedArray(update.shape, update.dtype), tok
 
 
 # ---------------------------------------------------------------------------
@@ -497,11 +522,11 @@ def _insert_impl(storage, tok, value, *idx, axis, ordered):
     bshape, _ = _batch_size(idx)
     value = _flat(value, bshape)
     new_line = lambda j, line, col: _shift_right(line, col, _take(value, j))
-    return (_shift(storage, tok, idx, axis, new_line, ordered)[0],)
+    return _shift(storage, tok, idx, axis, new_line, ordered)[0], tok
 
 
 def _insert_abstract(storage, tok, value, *idx, axis, ordered):
-    return (storage,)
+    return storage, tok
 
 
 def _reduce_readable(storage, size: int, axis: int) -> bool:
@@ -513,6 +538,11 @@ def _reduce_readable(storage, size: int, axis: int) -> bool:
 
 
 def _pop_impl(storage, tok, *idx, axis, fill, read, ordered):
+    storage, removed = _pop_edit(storage, tok, idx, axis, fill, read, ordered)
+    return storage, removed, tok
+
+
+def _pop_edit(storage, tok, idx, axis, fill, read, ordered):
     bshape, size = _batch_size(idx)
     new_line = lambda j, line, col: _shift_left(line, col, fill)
     if not read:  # a delete: the removed elements are not wanted
@@ -546,7 +576,7 @@ def _pop_impl(storage, tok, *idx, axis, fill, read, ordered):
 def _pop_abstract(storage, tok, *idx, axis, fill, read, ordered):
     bshape = tuple(idx[0].shape)
     vshape = storage.shape[axis + 1 :]
-    return storage, ShapedArray(bshape + vshape, storage.dtype)
+    return storage, ShapedArray(bshape + vshape, storage.dtype), tok
 
 
 # ---------------------------------------------------------------------------
@@ -574,83 +604,85 @@ pop_p = _define("esb_pop", _pop_impl, _pop_abstract)
 
 
 # ---------------------------------------------------------------------------
-# Binding helpers that keep the tangent/cotangent chains ordered.
+# Binding helpers.
 #
-# Rules run on tangents and cotangents the same way the user-level functions run on
-# primals: each storage value remembers the token of the reads made from it
-# (`_tokens`), and the next access on it picks the token up.
+# Every primitive takes a token and returns one, so the accesses of one buffer form
+# a chain of values: a read returns its operand token plus a run-time zero made from
+# what it read, a write returns its operand token unchanged. The caller threads the
+# token to the next access (a `ShiftBuffer` keeps it as its `_token` leaf). Tokens
+# are float32 so that they have tangents and cotangents: the JVP of an access
+# threads the *tangent* token through the tangent access, and its transpose threads
+# the *cotangent* token backwards through the cotangent access (see the rules
+# below). The tangent and cotangent chains are then ordered like the primal one,
+# with no trace-time table and no primal token in the linearised program (where it
+# would be a residual, saved every step).
 
 
-def bind_read(storage, tok, starts, sizes):
-    key = storage
-    storage, tok = _tokens.resolve(storage, tok)
-    storage, window, tok2 = read_p.bind(storage, tok, *starts, sizes=tuple(sizes))
-    # Both the storage that was read and the storage the read returned now have a
-    # pending read: the next access on either must come after it. Only a key of the
-    # same trace is recorded: a closed-over array, or a tracer of an outer trace,
-    # outlives this trace and must not be redirected to one of its tracers.
-    if _tokens.same_trace(key, storage):
-        _tokens.record(key, tok2, storage)
-    _tokens.record(storage, tok2)
-    return storage, window, tok2
+def _written_by_a_write(storage) -> bool:
+    """Whether `storage` is, in the program being traced, the storage output of a
+    straight-line write primitive (`accum_p`, `swap_p`, `insert_p`, `pop_p`).
 
-
-def bind_accum(storage, tok, window, starts, ordered=False):
-    ordered = _needs_order(storage, ordered)
-    storage, tok = _tokens.resolve(storage, tok)
-    (storage,) = accum_p.bind(storage, tok, window, *starts, ordered=ordered)
-    _tokens.mark_written(storage)
-    return storage
-
-
-def bind_swap(storage, tok, update, starts, read=True):
-    storage, tok = _tokens.resolve(storage, tok)
-    out = swap_p.bind(storage, tok, update, *starts, read=read)
-    _tokens.mark_written(out[0])
-    return out
+    Read off the trace itself (the equation that produced the tracer), so no state
+    is kept. Where the trace does not say (eager values, other tracers), False: the
+    access is then not `ordered`, which costs copies, never values.
+    """
+    eqn = getattr(storage, "parent", None)  # jit's tracer: the producing equation
+    if eqn is not None and getattr(eqn, "primitive", None) in _WRITES:
+        outvars = getattr(eqn, "outvars", ())
+        return bool(outvars) and outvars[0] is getattr(storage, "val", None)
+    recipe = getattr(storage, "recipe", None)  # partial evaluation (linearize)
+    if recipe is not None and getattr(recipe, "primitive", None) in _WRITES:
+        refs = getattr(recipe, "out_tracer_refs", ())
+        return bool(refs) and refs[0]() is storage
+    return False
 
 
 def _needs_order(storage, ordered: bool) -> bool:
     # See the module docstring, "Which accesses are loops": a shift or accumulation
     # that follows a straight-line write, and cannot write a widened window (it is
     # batched, or its buffer has one line), reads its lines in a loop first.
-    return ordered or _tokens.written(storage)
+    return ordered or _written_by_a_write(storage)
+
+
+def bind_read(storage, tok, starts, sizes):
+    """`(storage, window, token)`."""
+    return read_p.bind(storage, tok, *starts, sizes=tuple(sizes))
+
+
+def bind_accum(storage, tok, window, starts, ordered=False):
+    """`(storage, token)`."""
+    ordered = _needs_order(storage, ordered)
+    return accum_p.bind(storage, tok, window, *starts, ordered=ordered)
+
+
+def bind_swap(storage, tok, update, starts, read=True):
+    """`(storage, old window, token)`."""
+    return swap_p.bind(storage, tok, update, *starts, read=read)
 
 
 def bind_insert(storage, tok, value, idx, axis, ordered=False):
+    """`(storage, token)`."""
     ordered = _needs_order(storage, ordered)
-    storage, tok = _tokens.resolve(storage, tok)
-    (storage,) = insert_p.bind(storage, tok, value, *idx, axis=axis, ordered=ordered)
-    _tokens.mark_written(storage)
-    return storage
+    return insert_p.bind(storage, tok, value, *idx, axis=axis, ordered=ordered)
 
 
 def bind_pop(storage, tok, idx, axis, fill, read=True, ordered=False):
+    """`(storage, removed, token)`."""
     ordered = _needs_order(storage, ordered)
-    storage, tok = _tokens.resolve(storage, tok)
-    out = pop_p.bind(
+    return pop_p.bind(
         storage, tok, *idx, axis=axis, fill=fill, read=read, ordered=ordered
     )
-    _tokens.mark_written(out[0])
-    return out
+
+
+_WRITES = (accum_p, swap_p, insert_p, pop_p)
 
 
 # ---------------------------------------------------------------------------
 # JVP rules. Every primitive is affine in its array operands (linear, except the
 # constant `fill` of `pop_p`), so the tangent map is the primitive itself applied to
-# the tangents, with `fill=0`.
-
-
-def _untied(tok):
-    """The token for a tangent or cotangent access: none.
-
-    `tok` orders the primal access after the primal reads before it. A tangent or
-    cotangent buffer is another buffer, whose accesses are ordered by the tokens of
-    their own reads (`_tokens`), so the primal token is not needed there. Passing it
-    would make it a residual of the linearised step, saved every step (one
-    `dynamic-update-slice` kernel per step and per access in a scan's forward pass).
-    """
-    return jnp.zeros(jnp.shape(tok), jnp.int32)
+# the tangents, with `fill=0`. The token is linear too, with coefficient zero: no
+# output's value depends on it (it is zero), only when the access runs. The tangent
+# access takes the tangent token and returns the tangent of the output token.
 
 
 def _zero_tangent(x):
@@ -672,47 +704,44 @@ def _all_zero(*ts):
 def _read_jvp(primals, tangents, *, sizes):
     storage, tok, *starts = primals
     out = read_p.bind(storage, tok, *starts, sizes=sizes)
-    ts = tangents[0]
+    ts, tt = tangents[0], tangents[1]
     if type(ts) is ad.Zero:
-        t_out = [_zero_tangent(out[0]), _zero_tangent(out[1])]
-    else:
-        ts2, tw, _ = bind_read(ts, _untied(tok), starts, sizes)
-        t_out = [ts2, tw]
-    return out, t_out + [_zero_tangent(out[2])]
+        return out, [_zero_tangent(out[0]), _zero_tangent(out[1]), tt]
+    return out, list(bind_read(ts, _inst(tt, tok), starts, sizes))
 
 
 def _accum_jvp(primals, tangents, *, ordered):
     storage, tok, window, *starts = primals
     out = accum_p.bind(storage, tok, window, *starts, ordered=ordered)
-    ts, tw = tangents[0], tangents[2]
+    ts, tt, tw = tangents[0], tangents[1], tangents[2]
     if _all_zero(ts, tw):
-        return out, [_zero_tangent(out[0])]
+        return out, [_zero_tangent(out[0]), tt]
     t_out = bind_accum(
-        _inst(ts, storage), _untied(tok), _inst(tw, window), starts, ordered
+        _inst(ts, storage), _inst(tt, tok), _inst(tw, window), starts, ordered
     )
-    return out, [t_out]
+    return out, list(t_out)
 
 
 def _swap_jvp(primals, tangents, *, read):
     storage, tok, update, *starts = primals
     out = swap_p.bind(storage, tok, update, *starts, read=read)
-    ts, tu = tangents[0], tangents[2]
+    ts, tt, tu = tangents[0], tangents[1], tangents[2]
     if _all_zero(ts, tu):
-        return out, [_zero_tangent(o) for o in out]
+        return out, [_zero_tangent(out[0]), _zero_tangent(out[1]), tt]
     ts, tu = _inst(ts, storage), _inst(tu, update)
-    return out, list(bind_swap(ts, _untied(tok), tu, starts, read))
+    return out, list(bind_swap(ts, _inst(tt, tok), tu, starts, read))
 
 
 def _insert_jvp(primals, tangents, *, axis, ordered):
     storage, tok, value, *idx = primals
     out = insert_p.bind(storage, tok, value, *idx, axis=axis, ordered=ordered)
-    ts, tv = tangents[0], tangents[2]
+    ts, tt, tv = tangents[0], tangents[1], tangents[2]
     if _all_zero(ts, tv):
-        return out, [_zero_tangent(out[0])]
+        return out, [_zero_tangent(out[0]), tt]
     t_out = bind_insert(
-        _inst(ts, storage), _untied(tok), _inst(tv, value), idx, axis, ordered
+        _inst(ts, storage), _inst(tt, tok), _inst(tv, value), idx, axis, ordered
     )
-    return out, [t_out]
+    return out, list(t_out)
 
 
 def _pop_jvp(primals, tangents, *, axis, fill, read, ordered):
@@ -720,10 +749,11 @@ def _pop_jvp(primals, tangents, *, axis, fill, read, ordered):
     out = pop_p.bind(
         storage, tok, *idx, axis=axis, fill=fill, read=read, ordered=ordered
     )
-    ts = tangents[0]
+    ts, tt = tangents[0], tangents[1]
     if type(ts) is ad.Zero:
-        return out, [_zero_tangent(o) for o in out]
-    return out, list(bind_pop(ts, _untied(tok), idx, axis, 0, read, ordered))
+        return out, [_zero_tangent(out[0]), _zero_tangent(out[1]), tt]
+    t_out = bind_pop(ts, _inst(tt, tok), idx, axis, 0, read, ordered)
+    return out, list(t_out)
 
 
 ad.primitive_jvps[read_p] = _read_jvp
@@ -734,8 +764,11 @@ ad.primitive_jvps[pop_p] = _pop_jvp
 
 
 # ---------------------------------------------------------------------------
-# Transpose rules. Only the storage and the value/window/update operands are ever
-# linear; `tok` and the indices are always known.
+# Transpose rules. The storage, the token and the value/window/update operands may
+# be linear; the indices are always known. The cotangent of the output token is the
+# token of the cotangent accesses transposed before this one (those of the later
+# accesses): the cotangent access takes it, and the token it returns is the
+# cotangent of the input token, for the cotangent accesses transposed after it.
 
 
 def _ct_or_zeros(ct, aval):
@@ -748,56 +781,66 @@ def _aval(x):
     return x.aval if ad.is_undefined_primal(x) else jax.typeof(x)
 
 
+def _tok_ct(tok, ct):
+    """The cotangent of the token operand `tok`: `ct` if `tok` is linear."""
+    return ct if ad.is_undefined_primal(tok) else None
+
+
 def _read_transpose(cts, storage, tok, *starts, sizes):
-    ct_s, ct_w, _ = cts
+    ct_s, ct_w, ct_t = cts
     if _all_zero(ct_s, ct_w):
-        return [ad.Zero(_aval(storage)), None] + [None] * len(starts)
-    s_aval = _aval(storage)
-    ct_s = _ct_or_zeros(ct_s, s_aval)
+        return [ad.Zero(_aval(storage)), _tok_ct(tok, ct_t)] + [None] * len(starts)
+    ct_s = _ct_or_zeros(ct_s, _aval(storage))
+    t = _ct_or_zeros(ct_t, _aval(tok))
     if type(ct_w) is not ad.Zero:
-        ct_s = bind_accum(ct_s, _untied(tok), ct_w, starts)
-    return [ct_s, None] + [None] * len(starts)
+        ct_s, t = bind_accum(ct_s, t, ct_w, starts)
+    return [ct_s, _tok_ct(tok, t)] + [None] * len(starts)
 
 
 def _accum_transpose(cts, storage, tok, window, *starts, ordered):
-    (ct_s,) = cts
+    ct_s, ct_t = cts
     if type(ct_s) is ad.Zero:
-        return [ct_s, None, ad.Zero(_aval(window))] + [None] * len(starts)
+        return [ct_s, _tok_ct(tok, ct_t), ad.Zero(_aval(window))] + [None] * len(starts)
     sizes = _aval(window).shape[len(starts[0].shape) :]
-    ct_s, ct_w, _ = bind_read(ct_s, _untied(tok), starts, sizes)
+    t = _ct_or_zeros(ct_t, _aval(tok))
+    ct_s, ct_w, t = bind_read(ct_s, t, starts, sizes)
     ct_st = ct_s if ad.is_undefined_primal(storage) else None
     ct_wt = ct_w if ad.is_undefined_primal(window) else None
-    return [ct_st, None, ct_wt] + [None] * len(starts)
+    return [ct_st, _tok_ct(tok, t), ct_wt] + [None] * len(starts)
 
 
 def _swap_transpose(cts, storage, tok, update, *starts, read):
-    ct_s, ct_old = cts
+    ct_s, ct_old, ct_t = cts
     if _all_zero(ct_s, ct_old):
-        return [ad.Zero(_aval(storage)), None, ad.Zero(_aval(update))] + [None] * len(
-            starts
-        )
+        return [
+            ad.Zero(_aval(storage)),
+            _tok_ct(tok, ct_t),
+            ad.Zero(_aval(update)),
+        ] + [None] * len(starts)
     ct_s = _ct_or_zeros(ct_s, _aval(storage))
     # Without `read`, the old window was discarded: its cotangent is zero, and the
     # transpose writes zeros where the update went (and reads out its cotangent).
     ct_old = (
         _ct_or_zeros(ct_old, _aval(update)) if read else _zeros_like_aval(_aval(update))
     )
-    ct_s, ct_u = bind_swap(ct_s, _untied(tok), ct_old, starts, read=True)
-    return [ct_s, None, ct_u] + [None] * len(starts)
+    t = _ct_or_zeros(ct_t, _aval(tok))
+    ct_s, ct_u, t = bind_swap(ct_s, t, ct_old, starts, read=True)
+    return [ct_s, _tok_ct(tok, t), ct_u] + [None] * len(starts)
 
 
 def _insert_transpose(cts, storage, tok, value, *idx, axis, ordered):
-    (ct_s,) = cts
+    ct_s, ct_t = cts
     if type(ct_s) is ad.Zero:
-        return [ct_s, None, ad.Zero(_aval(value))] + [None] * len(idx)
-    ct_s, ct_v = bind_pop(ct_s, _untied(tok), idx, axis, 0)
-    return [ct_s, None, ct_v] + [None] * len(idx)
+        return [ct_s, _tok_ct(tok, ct_t), ad.Zero(_aval(value))] + [None] * len(idx)
+    t = _ct_or_zeros(ct_t, _aval(tok))
+    ct_s, ct_v, t = bind_pop(ct_s, t, idx, axis, 0)
+    return [ct_s, _tok_ct(tok, t), ct_v] + [None] * len(idx)
 
 
 def _pop_transpose(cts, storage, tok, *idx, axis, fill, read, ordered):
-    ct_s, ct_v = cts
+    ct_s, ct_v, ct_t = cts
     if _all_zero(ct_s, ct_v):
-        return [ad.Zero(_aval(storage)), None] + [None] * len(idx)
+        return [ad.Zero(_aval(storage)), _tok_ct(tok, ct_t)] + [None] * len(idx)
     s_aval = _aval(storage)
     ct_s = _ct_or_zeros(ct_s, s_aval)
     vshape = tuple(idx[0].shape) + s_aval.shape[axis + 1 :]
@@ -805,8 +848,9 @@ def _pop_transpose(cts, storage, tok, *idx, axis, fill, read, ordered):
         ct_v = _ct_or_zeros(ct_v, ShapedArray(vshape, s_aval.dtype))
     else:  # a delete: its `removed` output is a constant, with no cotangent
         ct_v = jnp.zeros(vshape, s_aval.dtype)
-    ct_s = bind_insert(ct_s, _untied(tok), ct_v, idx, axis)
-    return [ct_s, None] + [None] * len(idx)
+    t = _ct_or_zeros(ct_t, _aval(tok))
+    ct_s, t = bind_insert(ct_s, t, ct_v, idx, axis)
+    return [ct_s, _tok_ct(tok, t)] + [None] * len(idx)
 
 
 ad.primitive_transposes[read_p] = _read_transpose
@@ -823,7 +867,8 @@ ad.primitive_transposes[pop_p] = _pop_transpose
 # position, so that the new index arrays have shape `(B,) + S`. An unbatched storage
 # with batched indices or values is broadcast only when the primitive writes (each
 # batch element then needs its own buffer); a read from an unbatched storage simply
-# reads `B` windows.
+# reads `B` windows. A batched token (a batch of buffers, each with its own) is
+# reduced to one: the batch's accesses run in one loop, after all of them.
 
 
 def _move_front(x, bd, size):
@@ -874,26 +919,26 @@ def _accum_batch(args, dims, *, ordered):
     storage, tok, (window,), idx, _ = _batch_common(args, dims, 1, write=True)
     nb = len(idx[0].shape)
     window = window.reshape(window.shape[:nb] + (1,) + window.shape[nb:])
-    return (bind_accum(storage, tok, window, idx, ordered),), (0,)
+    return tuple(bind_accum(storage, tok, window, idx, ordered)), (0, None)
 
 
 def _swap_batch(args, dims, *, read):
     storage, tok, (update,), idx, _ = _batch_common(args, dims, 1, write=True)
     nb = len(idx[0].shape)
     update = update.reshape(update.shape[:nb] + (1,) + update.shape[nb:])
-    s, old = bind_swap(storage, tok, update, idx, read)
-    return (s, old.reshape(old.shape[:nb] + old.shape[nb + 1 :])), (0, 0)
+    s, old, t = bind_swap(storage, tok, update, idx, read)
+    return (s, old.reshape(old.shape[:nb] + old.shape[nb + 1 :]), t), (0, 0, None)
 
 
 def _insert_batch(args, dims, *, axis, ordered):
     storage, tok, (value,), idx, _ = _batch_common(args, dims, 1, write=True)
-    return (bind_insert(storage, tok, value, idx, axis + 1, ordered),), (0,)
+    return tuple(bind_insert(storage, tok, value, idx, axis + 1, ordered)), (0, None)
 
 
 def _pop_batch(args, dims, *, axis, fill, read, ordered):
     storage, tok, _, idx, _ = _batch_common(args, dims, 0, write=True)
     out = bind_pop(storage, tok, idx, axis + 1, fill, read, ordered)
-    return tuple(out), (0, 0)
+    return tuple(out), (0, 0, None)
 
 
 batching.primitive_batchers[read_p] = _read_batch

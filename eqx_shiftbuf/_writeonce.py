@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 import equinox as eqx
+import jax
 import jax.numpy as jnp
 from jax import lax
 from jaxtyping import Array, ArrayLike
@@ -91,7 +92,7 @@ class WriteOnceBuffer(eqx.Module):
         return self.shape[0]
 
     def _roles(self) -> list[int]:
-        roles = [BUFFER]
+        roles = [BUFFER] * len(jax.tree.leaves(self._buf))
         if self._written is not None:
             roles += [BUFFER, CHECKING]
         return roles
@@ -208,7 +209,7 @@ def wrap(x: Any, check: bool) -> WriteOnceBuffer:
         )
     # No deferred-error record (`_error=None`): the body returns only the array, so
     # its index checks are raised at each call.
-    buf = ShiftBuffer._from_storage(arr, 0, 0)
+    buf = ShiftBuffer(arr, 0)
     if check:
         return WriteOnceBuffer(buf, jnp.zeros(arr.shape, jnp.int8), jnp.asarray(True))
     return WriteOnceBuffer(buf)

@@ -47,9 +47,11 @@ class Ops:
     `wrap(array, axis)` makes a carry from an array, `unwrap(carry)` returns its
     contents and `shape(carry)` their shape (a body that needs only the shape asks
     for it: reading a `ShiftBuffer`'s contents raises its recorded index errors,
-    one check per call); `insert`, `delete`, `pop`, `dynamic_slice` and
-    `dynamic_update_slice` have the semantics of the functions of the same name in
-    `eqx_shiftbuf`.
+    one check per call); `insert`, `delete`, `pop` and `dynamic_update_slice` have
+    the semantics of the functions of the same name in `eqx_shiftbuf`, and `read`
+    those of `eqx_shiftbuf.read` (`(carry, window)`, or `(carry, contents)` with no
+    window): a body carries on with the carry a read returns, as it would with an
+    `equinox.nn.State`.
     """
 
     name: str
@@ -58,7 +60,7 @@ class Ops:
     insert: Callable[..., Any]
     delete: Callable[..., Any]
     pop: Callable[..., Any]
-    dynamic_slice: Callable[..., Any]
+    read: Callable[..., Any]
     dynamic_update_slice: Callable[..., Any]
     shape: Callable[[Any], tuple[int, ...]] = lambda b: tuple(b.shape)
 
@@ -71,7 +73,7 @@ def _esb_ops(mode: str | None) -> Ops:
         insert=lambda b, i, v: b.insert(i, v, mode=mode),
         delete=lambda b, i: b.delete(i, mode=mode),
         pop=lambda b, i: b.pop(i, mode=mode),
-        dynamic_slice=lambda b, s, n: b.dynamic_slice(s, n, mode=mode),
+        read=lambda b, s=None, n=None: b.read(s, n, mode=mode),
         dynamic_update_slice=lambda b, u, s: b.dynamic_update_slice(u, s, mode=mode),
     )
 
@@ -130,6 +132,12 @@ def _plain_pop(b, index):
     return _plain_put(b, start, new), removed
 
 
+def _plain_read(b: _Plain, starts, sizes):
+    if starts is None or sizes is None:
+        return b.array
+    return lax.dynamic_slice(b.array, starts, sizes)
+
+
 PLAIN = Ops(
     name="plain lax",
     wrap=_Plain,
@@ -137,7 +145,7 @@ PLAIN = Ops(
     insert=_plain_insert,
     delete=lambda b, i: _plain_pop(b, i)[0],
     pop=_plain_pop,
-    dynamic_slice=lambda b, s, n: lax.dynamic_slice(b.array, s, n),
+    read=lambda b, s=None, n=None: (b, _plain_read(b, s, n)),
     dynamic_update_slice=lambda b, u, s: _Plain(
         lax.dynamic_update_slice(b.array, u, s), b.axis
     ),
@@ -180,7 +188,7 @@ def dynamic_update_slice(ops, b, x, p):
 
 def slice_matmul_write(ops, b, x, p):
     cols = ops.shape(b)[1]
-    w = ops.dynamic_slice(b, (x["r"][0], _window_col(cols, x["c"][0])), (1, K))
+    b, w = ops.read(b, (x["r"][0], _window_col(cols, x["c"][0])), (1, K))
     h = jnp.tanh(w @ p["W"])
     b = ops.dynamic_update_slice(b, h, (x["r"][1], _window_col(cols, x["c"][1])))
     return b, h.sum()
@@ -218,7 +226,7 @@ def kv_cache_attention(ops, b, x, p):
     ar = jnp.arange(d, dtype=p["s"].dtype)
     entry = jnp.tanh(p["s"] * x["v"] + ar)[None]
     b = ops.dynamic_update_slice(b, entry, (pos, jnp.zeros_like(pos)))
-    cache = ops.unwrap(b)
+    b, cache = ops.read(b)
     q = jnp.cos(p["s"] * x["v"] - ar)
     weights = jax.nn.softmax(cache @ q / math.sqrt(d))
     return b, (weights @ cache).sum()
@@ -229,7 +237,7 @@ def mixed(ops, b, x, p):
     # from the read and the popped value.
     cols = ops.shape(b)[1]
     b = ops.insert(b, (x["r"][0], x["c"][0]), jnp.sin(p["s"] * x["v"]))
-    w = ops.dynamic_slice(b, (x["r"][1], _window_col(cols, x["c"][1])), (1, K))
+    b, w = ops.read(b, (x["r"][1], _window_col(cols, x["c"][1])), (1, K))
     b, removed = ops.pop(b, (x["r"][1], x["c"][1]))
     b = ops.insert(b, (x["r"][0], x["c"][1]), removed + p["s"] * w.sum())
     return b, removed
