@@ -759,9 +759,9 @@ def test_integer_and_bool_shift_buffer_in_a_scan_matches_numpy(dtype, value):
 
 
 def test_a_jitted_read_of_a_closed_over_array_does_not_poison_later_calls():
-    # Regression: the read token recorded (in `_tokens`) for a concrete array that a
-    # jitted function closed over is a tracer of that finished trace; the next
-    # operation on the same array must not pick it up.
+    # Regression: the read token once recorded (in a trace-time table) for a concrete
+    # array that a jitted function closed over was a tracer of that finished trace;
+    # the next operation on the same array must not pick it up.
     x = jnp.arange(4.0)
     jax.jit(lambda i: esb.dynamic_slice(x, (i,), (1,)))(0)
     np.testing.assert_array_equal(esb.insert(x, 0, 9.0), [9.0, 0.0, 1.0, 2.0])

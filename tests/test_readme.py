@@ -16,11 +16,23 @@ def test_readme_example_runs_without_loop_copies():
     assert copies == []
 
 
-def test_readme_scan_example_matches_lax_scan():
+def test_readme_read_example_runs_without_loop_copies():
     text = (pathlib.Path(__file__).parent.parent / "README.md").read_text()
     blocks = re.findall(r"```python\n(.*?)```", text, re.S)
     namespace: dict = {}
     exec(compile(blocks[1], "README.md", "exec"), namespace)
+    jnp, esb = namespace["jnp"], namespace["esb"]
+    copies = esb.find_loop_copies(
+        namespace["grad"], jnp.ones((64, 256)), namespace["xs"], min_bytes=32768
+    )
+    assert copies == []
+
+
+def test_readme_scan_example_matches_lax_scan():
+    text = (pathlib.Path(__file__).parent.parent / "README.md").read_text()
+    blocks = re.findall(r"```python\n(.*?)```", text, re.S)
+    namespace: dict = {}
+    exec(compile(blocks[2], "README.md", "exec"), namespace)
     jax, jnp, esb = namespace["jax"], namespace["jnp"], namespace["esb"]
     w, h0 = 0.5 * jnp.eye(namespace["d"]), jnp.ones(namespace["d"])
     # The same loss on lax.scan.
