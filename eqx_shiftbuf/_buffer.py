@@ -36,13 +36,18 @@ class ShiftBuffer(eqx.Module):
     way to see the contents raises first. The record is the scalar leaf `_error`
     of the pytree (0: no error). It is a float32, not an integer, so that
     `jax.grad` and `jax.jvp` accept a `ShiftBuffer` argument as they accept an
-    array (its gradient is always 0).
+    array (its gradient is always 0). It codes the edit, the index entry and, for
+    `dynamic_update_slice`, the update's size there; the read rebuilds the message
+    from it and the buffer's shape, so the message is the same whichever function
+    traced the edit or the read, and in whatever order. (An update too large for
+    the code to hold exactly, over about 2**24 / (3 * ndim) along that dimension,
+    is named without the bound.)
     """
 
     _storage: Array
     axis: int = eqx.field(static=True)
     fill: bool | int | float = eqx.field(static=True, default=0)
-    # The deferred index error: 0, or the code of the first bad edit's message (see
+    # The deferred index error: 0, or the code of the first bad edit (see
     # `_ops.deferred_code`), as a float32 scalar. None: check every call at once
     # (the buffers that `esb.scan` hands to a body for `buffers=`, which have
     # nowhere to keep it).
