@@ -54,7 +54,12 @@ class ShiftBuffer(eqx.Module):
     way to see the contents raises first. The record is the scalar leaf `_error`
     of the pytree (0: no error). It and the token are float32, not integers, so
     that `jax.grad` and `jax.jvp` accept a `ShiftBuffer` argument as they accept an
-    array (their gradients are always 0).
+    array (their gradients are always 0). It codes the edit, the index entry and, for
+    `dynamic_update_slice`, the update's size there; the read rebuilds the message
+    from it and the buffer's shape, so the message is the same whichever function
+    traced the edit or the read, and in whatever order. (An update too large for
+    the code to hold exactly, over about 2**24 / (3 * ndim) along that dimension,
+    is named without the bound.)
     """
 
     _storage: Array

@@ -108,30 +108,94 @@ class _Traced(NamedTuple):
 
 MODES = (None, "promise_in_bounds")
 
-# Deferred index errors (see `ShiftBuffer`): an edit records the code of its message,
-# an integer >= 1 (0 is "no error"; held in a float32, exact to 2**24), in the
-# buffer; a read raises it. Codes index this process-wide, append-only list, so a
-# read traced later can still name an edit traced earlier, in another function.
-_DEFERRED_MESSAGES: list[str] = []
-_DEFERRED_CODES: dict[str, int] = {}
+# Deferred index errors (see `ShiftBuffer`). An edit records a code, an integer >= 1
+# (0 is "no error"), in the buffer; a read raises it. The code holds all that the
+# message needs beyond what the reading buffer knows statically (its shape):
+#
+#     code = 1 + op + 3 * (pos + ndim * extra)
+#
+# `op` is the edit (`_DEFERRED_OPS`), `pos` the index entry out of range, `ndim` the
+# buffer's, and `extra` 0 except for `dynamic_update_slice`: 1 + the update's size
+# along `pos`, which gives the bound `shape[pos] - size`. The read rebuilds the
+# message from the code when it raises (`_DeferredMessages`), so a read names any
+# edit, whenever either was traced, and nothing outlives a trace. The record is a
+# float32, exact for integers up to 2**24: an update too large for that records
+# extra = 0 instead, and its message leaves the bound out.
+_DEFERRED_OPS = ("insert", "delete", "dynamic_update_slice")
+_DEFERRED_ARGNAMES = ("index", "index", "start_indices")
+_MAX_CODE = 2**24
 _DEFERRED_NOTE = (
     " (Raised at the first read of the ShiftBuffer after that edit: `.array`, "
     "`dynamic_slice` or `pop`. Edits record a bad index in the buffer rather than "
     "branch, which inside a loop would cost as much as the edit.)"
 )
-_DEFERRED_UNKNOWN = (
-    "An edit of this ShiftBuffer had an index out of range (an edit traced after "
-    "this read, so its message is not known here)."
-)
 
 
-def deferred_code(message: str) -> int:
-    """The code of a deferred error `message`, registering it on first use."""
-    code = _DEFERRED_CODES.get(message)
-    if code is None:
-        _DEFERRED_MESSAGES.append(message)
-        code = _DEFERRED_CODES[message] = len(_DEFERRED_MESSAGES)
+def deferred_code(op: str, pos: int, ndim: int, size: int | None = None) -> int:
+    """The code that an edit `op` records for its index entry `pos` out of range.
+
+    `size`: the update's size along `pos`, for `dynamic_update_slice`.
+    """
+    kind = _DEFERRED_OPS.index(op)
+    extra = 0 if size is None else 1 + size
+    code = 1 + kind + 3 * (pos + ndim * extra)
+    if code > _MAX_CODE:  # not exact in a float32: record the edit without its size
+        code = 1 + kind + 3 * pos
     return code
+
+
+def _deferred_message(code: int, shape: tuple[int, ...]) -> str:
+    """The message of a recorded `code`, read from a buffer of logical `shape`."""
+    rest, kind = divmod(code - 1, 3)
+    extra, pos = divmod(rest, len(shape))
+    op = _DEFERRED_OPS[kind]
+    what = f"esb.{op}: `{_DEFERRED_ARGNAMES[kind]}`[{pos}] is out of range"
+    if op != "dynamic_update_slice" and extra == 0:
+        message = f"{what}: valid values are 0 to {shape[pos] - 1}."
+    elif op == "dynamic_update_slice" and extra == 0:
+        message = f"{what}: the update would not fit inside the buffer."
+    elif op == "dynamic_update_slice" and extra - 1 <= shape[pos]:
+        message = f"{what}: valid values are 0 to {shape[pos] - (extra - 1)}."
+    else:  # no edit of a buffer of this shape records this code
+        message = "An edit of this ShiftBuffer had an index out of range."
+    return message + _DEFERRED_NOTE
+
+
+class _DeferredMessages(Sequence[str]):
+    """The messages of a read's check, for `equinox.branched_error_if`: first the
+    read's own (`own`), then one for each deferred-error code, 1 to `_MAX_CODE`,
+    built only when raised. Hashable, as `equinox.filter_jit` needs of a static
+    argument."""
+
+    def __init__(self, own: Sequence[str], shape: tuple[int, ...]):
+        self.own = tuple(own)
+        self.shape = tuple(int(n) for n in shape)
+
+    def __len__(self) -> int:
+        return len(self.own) + _MAX_CODE
+
+    def __getitem__(self, index: Any) -> Any:
+        if isinstance(index, slice):
+            return [self[i] for i in range(*index.indices(len(self)))]
+        index = int(index)
+        if index < 0:
+            index += len(self)
+        if not 0 <= index < len(self):
+            raise IndexError(index)
+        if index < len(self.own):
+            return self.own[index]
+        return _deferred_message(index - len(self.own) + 1, self.shape)
+
+    def __hash__(self) -> int:
+        return hash((self.own, self.shape))
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, _DeferredMessages):
+            return NotImplemented
+        return (self.own, self.shape) == (other.own, other.shape)
+
+    def __repr__(self) -> str:
+        return f"_DeferredMessages(own={self.own!r}, shape={self.shape!r})"
 
 
 def _may_be_set(error: Any) -> bool:
@@ -143,15 +207,9 @@ def _may_be_set(error: Any) -> bool:
     return bool(np.any(np.asarray(error) != 0))
 
 
-def _deferred_messages() -> tuple[list[str], int]:
-    """(messages by code - 1, then the fallback; the largest valid index)."""
-    msgs = list(_DEFERRED_MESSAGES) + [_DEFERRED_UNKNOWN]
-    return msgs, len(msgs) - 1
-
-
-def _code_index(error: Any, last: int) -> jax.Array:
-    """The message index of a (nonzero) record: its code - 1, within range."""
-    return jnp.clip(error.astype(jnp.int32) - 1, 0, last)
+def _code_index(error: Any) -> jax.Array:
+    """The index of a (nonzero) record's message among the codes: its code - 1."""
+    return jnp.clip(error.astype(jnp.int32) - 1, 0, _MAX_CODE - 1)
 
 
 def raise_deferred(
@@ -168,8 +226,9 @@ def raise_deferred(
     if batch_shape:
         flat = jnp.reshape(error, (-1,))
         error = flat[jnp.argmax(flat != 0)]
-    msgs, last = _deferred_messages()
-    pred, index = error != 0, _code_index(error, last)
+    # Messages are decoded against the shape of one buffer of the batch.
+    msgs = _DeferredMessages((), storage.shape[len(batch_shape) :])
+    pred, index = error != 0, _code_index(error)
     if os.environ.get("EQX_ON_ERROR", "raise") != "raise" or storage.size == 0:
         # "nan" must poison the whole result, "breakpoint" stop before it: the plain
         # form, which passes the storage through the error's conditional.
@@ -228,14 +287,18 @@ def _raise_traced(
     mode: str | None,
     *,
     op: str,
+    shape: tuple[int, ...],
+    sizes: Sequence[int] | None = None,
     error: Any = None,
     defer: bool = False,
 ) -> tuple[list[jax.Array], Any]:
     """Cast the entries to int32 and check the traced ones: `(indices, error)`.
 
+    `shape` is the buffer's, `sizes` the window's (for `dynamic_update_slice`).
     `error` is the deferred-error record of the `ShiftBuffer` being accessed (None
     for other buffers). With `defer` (an edit of a `ShiftBuffer`), an index out of
-    range is recorded in the returned `error`, at the cost of a scalar `select`.
+    range is recorded in the returned `error` (see `deferred_code`), at the cost of a
+    scalar `select`.
     Otherwise one `equinox.branched_error_if` checks this call's indices and the
     record together: each is a conditional on the compiled step's critical path (on
     XLA:CPU about as much as a whole small edit), so there is at most one per call,
@@ -253,21 +316,20 @@ def _raise_traced(
         if traced:
             code = jnp.zeros((), error.dtype)
             for k in reversed(traced):
-                message = f"esb.{op}: {entries[k].message}{_DEFERRED_NOTE}"
-                new = jnp.asarray(deferred_code(message), error.dtype)
+                size = None if sizes is None else sizes[k]
+                new = jnp.asarray(deferred_code(op, k, len(shape), size), error.dtype)
                 code = jnp.where(entries[k].bad, new, code)
             # No tangent: the record is data about indices, not a value.
             error = lax.stop_gradient(jnp.where(error != 0, error, code))
         return values, error
     bads = [entries[k].bad for k in traced]
-    msgs = [entries[k].message for k in traced]
-    own = len(msgs)
+    own = [entries[k].message for k in traced]
+    msgs: Sequence[str] = own
     if _may_be_set(error):
         # The recorded error is checked last, its messages after this call's own.
-        recorded, last = _deferred_messages()
+        msgs = _DeferredMessages(own, shape)
         bads.append(error != 0)
-        msgs += recorded
-        recorded_index = own + _code_index(error, last)
+        recorded_index = len(own) + _code_index(error)
     else:
         recorded_index = None
     if not bads:
@@ -335,6 +397,7 @@ def check_index(
         ],
         mode,
         op=op,
+        shape=shape,
         error=error,
         defer=defer,
     )
@@ -360,6 +423,8 @@ def check_starts(
         ],
         mode,
         op=op,
+        shape=shape,
+        sizes=sizes,
         error=error,
         defer=defer,
     )

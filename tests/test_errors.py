@@ -7,8 +7,10 @@ called; traced indices are checked when the compiled program runs, through
 
 from __future__ import annotations
 
+import gc
 import os
 import re
+import sys
 
 import equinox as eqx
 import jax
@@ -357,6 +359,162 @@ def test_a_promised_edit_records_nothing():
         )
     )
     assert int(edit(buffer(), jnp.int32(ROWS))._error) == 0
+
+
+# ---------------------------------------------------------------------------
+# A recorded error's message is the program's own, whatever was traced before.
+#
+# Each test below names bounds that no other test's edits name: a read used to name
+# only edits whose message something in the process had traced before the read, so
+# an earlier test tracing the same message could hide the defect.
+
+
+def raised_message(run, *args) -> str:
+    """The message of the error that `run(*args)` raises when it runs."""
+    with pytest.raises(RUNTIME_ERRORS) as info:
+        jax.block_until_ready(run(*args))
+    found = re.search(r"EquinoxRuntimeError: (.*)", str(info.value))
+    assert found is not None, str(info.value)
+    return found.group(1)
+
+
+def read_first(x, edit, index, *, axis=-1, read=lambda sb: sb.array) -> str:
+    """The message when a jitted `read`, traced before the bad edit, reads the result
+    of a separately jitted `edit` (at `index`) of a buffer holding `x`."""
+    reader = eqx.filter_jit(lambda sb: read(sb))  # a new function: traced afresh
+    jax.block_until_ready(reader(esb.ShiftBuffer.from_array(x, axis=axis)))
+    editor = eqx.filter_jit(
+        lambda x, i: edit(esb.ShiftBuffer.from_array(x, axis=axis), i)
+    )
+    return raised_message(reader, editor(x, index))
+
+
+# A buffer of shape (5, 6, 7) shifted along axis 1: an insert or delete index has 2
+# entries, bounds 4 and 5; a (1, 3, 2) update has 3 starts, bounds 4, 3 and 5.
+EDITS_3D = {
+    "insert": (lambda sb, i: sb.insert(i, jnp.zeros(7)), "index", (4, 5)),
+    "delete": (lambda sb, i: sb.delete(i), "index", (4, 5)),
+    "dynamic_update_slice": (
+        lambda sb, i: sb.dynamic_update_slice(jnp.ones((1, 3, 2)), i),
+        "start_indices",
+        (4, 3, 5),
+    ),
+}
+EDIT_POSITIONS_3D = [
+    pytest.param(op_name, pos, id=f"{op_name}-{pos}")
+    for op_name, (_, _, bounds) in EDITS_3D.items()
+    for pos in range(len(bounds))
+]
+DEFERRED_NOTE = (
+    " (Raised at the first read of the ShiftBuffer after that edit: `.array`, "
+    "`dynamic_slice` or `pop`. Edits record a bad index in the buffer rather than "
+    "branch, which inside a loop would cost as much as the edit.)"
+)
+
+
+@requires_raise
+@pytest.mark.parametrize("op_name, pos", EDIT_POSITIONS_3D)
+def test_a_read_traced_before_the_edit_names_the_edit_exactly(op_name, pos):
+    edit, argname, bounds = EDITS_3D[op_name]
+    index: list = [0] * len(bounds)
+    index[pos] = jnp.int32(bounds[pos] + 1)  # the only traced entry
+    message = read_first(jnp.zeros((5, 6, 7)), edit, tuple(index), axis=1)
+    assert message == (
+        f"esb.{op_name}: `{argname}`[{pos}] is out of range: valid values are 0 to "
+        f"{bounds[pos]}.{DEFERRED_NOTE}"
+    )
+
+
+@requires_raise
+@pytest.mark.parametrize("read", list(READS))
+def test_every_read_traced_before_the_edit_names_it(read):
+    rows = {"array": 7, "dynamic_slice": 8, "pop": 9}[read]  # a shape of its own
+    message = read_first(
+        jnp.zeros((rows, 9)),
+        lambda sb, i: sb.delete((i, 0)),
+        jnp.int32(-1),
+        read=READS[read],
+    )
+    assert message == (
+        f"esb.delete: `index`[0] is out of range: valid values are 0 to {rows - 1}."
+        f"{DEFERRED_NOTE}"
+    )
+
+
+@requires_raise
+@pytest.mark.parametrize("op_name", EDITS)
+def test_the_same_program_gives_the_same_message_on_every_trace(op_name):
+    # The program: a jitted read traced first, then a separately jitted bad edit.
+    # Traced afresh (new jitted functions), after other programs, it says the same.
+    edit, _, _ = OPS[op_name]
+    x = jnp.zeros((11, 13))
+    bad = (jnp.int32(11), 0)
+    first = read_first(x, edit, bad)
+    retraced = read_first(x, edit, bad)
+    for rows in range(12, 16):  # other programs, with other messages
+        read_first(jnp.zeros((rows, 13)), edit, (jnp.int32(rows), 0))
+    later = read_first(x, edit, bad)
+    assert first == retraced == later
+    assert first.startswith(f"esb.{op_name}: ")
+
+
+# The largest update of a 1-D buffer whose code (3 + 3 * (size + 1)) a float32 holds
+# exactly (up to 2**24), and one more.
+LARGEST_EXACT_UPDATE = (2**24 - 3) // 3 - 1
+
+
+@requires_raise
+@pytest.mark.parametrize(
+    "size, bound_stated",
+    [
+        pytest.param(LARGEST_EXACT_UPDATE, True, id="largest-exact"),
+        pytest.param(LARGEST_EXACT_UPDATE + 1, False, id="too-large"),
+    ],
+)
+def test_an_update_too_large_to_code_is_named_without_its_bound(size, bound_stated):
+    # int8: the buffer is 5.6 MB; its update, 61 elements shorter, starts at 0 to 61.
+    x = jnp.zeros((size + 61,), jnp.int8)
+    update = jnp.ones((size,), jnp.int8)
+    message = read_first(
+        x, lambda sb, i: sb.dynamic_update_slice(update, (i,)), jnp.int32(62)
+    )
+    what = "esb.dynamic_update_slice: `start_indices`[0] is out of range: "
+    reason = (
+        "valid values are 0 to 61."
+        if bound_stated
+        else "the update would not fit inside the buffer."
+    )
+    assert message == what + reason + DEFERRED_NOTE
+
+
+def _module_state() -> dict[str, int]:
+    """The size of each module-level collection of the package."""
+    sizes = {}
+    for name, module in list(sys.modules.items()):
+        if name == "eqx_shiftbuf" or name.startswith("eqx_shiftbuf."):
+            for attr, value in vars(module).items():
+                if isinstance(value, (list, dict, set)):
+                    sizes[f"{name}.{attr}"] = len(value)
+    return sizes
+
+
+def test_tracing_programs_leaves_no_module_state_behind():
+    # A recorded error's message is rebuilt from its code when it is raised: no
+    # table of messages that grows with every edit ever traced.
+    def trace_edits(rows):  # edits with messages of their own (their bounds)
+        x = jnp.zeros((rows, 17))
+        for op_name in EDITS:
+            edit, _, _ = OPS[op_name]
+            jax.jit(
+                lambda x, i, edit=edit: edit(esb.ShiftBuffer.from_array(x), (i, 0))
+            ).lower(x, jnp.int32(0))
+        gc.collect()
+
+    trace_edits(30)  # the first program may fill caches that are not per program
+    before = _module_state()
+    for rows in range(31, 41):
+        trace_edits(rows)
+    assert _module_state() == before
 
 
 # 2**32 + 1 is 1 and -2**32 + 2 is 2 after a cast to int32: the range check must see
