@@ -340,7 +340,10 @@ def _raise_traced(
     # variadic reduction costing about 0.4 us, every step in a loop (a checked
     # pop's forward step took 2.6x its unchecked one; 1.2x without it).
     last = len(bads) - 1
-    index = recorded_index if recorded_index is not None else jnp.int32(last)
+    # With nothing out of range, index 0: under `vmap`, Equinox raises the largest
+    # index of the batch, which must be that of an element with an error.
+    fallback = recorded_index if recorded_index is not None else jnp.int32(last)
+    index = jnp.where(bads[last], fallback, jnp.int32(0))
     for k in reversed(range(last)):
         index = jnp.where(bads[k], jnp.int32(k), index)
     any_bad = functools.reduce(jnp.logical_or, bads)

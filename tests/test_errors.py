@@ -988,3 +988,20 @@ def test_promised_window_ops_clamp_a_bad_start_as_lax_does(start):
     np.testing.assert_array_equal(
         write(a, r, c), lax.dynamic_update_slice(a, upd, (r, c))
     )
+
+
+@pytest.mark.parametrize("op", ["dynamic_slice", "pop"])
+def test_under_vmap_the_message_is_that_of_an_element_out_of_range(op):
+    # One batch element is out of range in its second entry; the other is fine and
+    # must not choose the message (nor may the buffer's error record, which is 0).
+    calls = {
+        "dynamic_slice": lambda x, r, c: esb.ShiftBuffer(x).dynamic_slice(
+            (r, c), (1, 1)
+        ),
+        "pop": lambda x, r, c: esb.ShiftBuffer(x).pop((r, c))[1],
+    }
+    f = jax.jit(jax.vmap(calls[op], in_axes=(None, 0, 0)))
+    rows, cols = jnp.zeros(2, jnp.int32), jnp.array([9, 0], jnp.int32)
+    name = "start_indices" if op == "dynamic_slice" else "index"
+    with pytest.raises(Exception, match=re.escape(f"`{name}`[1] is out of range")):
+        jax.block_until_ready(f(jnp.ones((3, 4)), rows, cols))
