@@ -15,6 +15,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
+from equinox.internal import unvmap_any
 from jax import lax
 from jax.core import Tracer
 from jaxtyping import Array, ArrayLike, Int
@@ -233,53 +234,35 @@ def raise_deferred(
         # "nan" must poison the whole result, "breakpoint" stop before it: the plain
         # form, which passes the storage through the error's conditional.
         return eqx.branched_error_if(storage, pred, index, msgs)
-    checked = eqx.branched_error_if(error, pred, index, msgs)
-    return _after(storage, checked)
+    _check_on_the_side(error, pred, index, msgs)
+    return storage
 
 
-@jax.custom_jvp
-def _after(storage: jax.Array, checked: jax.Array) -> jax.Array:
-    """`storage`, data-dependent on `checked` (a record that is 0 if the program goes
-    on), at the cost of rewriting a few elements in place.
+def _nothing(*_: Any) -> None:
+    pass
 
-    Not `error_if(storage, ...)`: a conditional's result is a new buffer, so that
-    copies the whole storage, every step when `.array` is read inside a loop
-    (measured: 1 copy per step of the cache body at 1600 rows). Not a
-    `lax.optimization_barrier((storage, checked))` either: XLA drops a barrier's
-    unused output and with it the (pure) check. Writing back the first elements,
-    selected on `checked`, is an in-place write XLA cannot simplify away.
+
+def _check_on_the_side(error, pred, index, msgs) -> None:
+    """Raise the error `error` records, through `equinox.branched_error_if`, with
+    nothing depending on the check: the contents are returned as they are.
+
+    A check whose result is not used is dead code to JAX and XLA (Equinox's check
+    is a pure callback in a conditional). So the check runs inside a conditional
+    that also makes an effectful (never dead) callback, taken only when `pred`
+    holds: in "raise" mode the check raises first, the program stops and returns
+    nothing, so no value of the bad buffer is ever seen. The contents need no data
+    dependence on the check, so neither a copy nor a write of the storage: a
+    conditional's result is a new buffer (`error_if(storage, ...)` copies the whole
+    buffer every step when `.array` is read inside a loop: 1 copy per step of the
+    cache body at 1600 rows), and writing a corner of the storage to make it depend
+    on the check is an in-place write that the next edit of the buffer, or
+    returning it from the step, then copies.
     """
-    # The window spans 2 positions of every dimension that has them: XLA:CPU
-    # duplicates a write whose update has a lower "true rank" (ignoring unit
-    # dimensions) than the buffer, a single element say, into the next read of the
-    # buffer, which then reads the older buffer, unordered with this write: a copy
-    # (the `mixed` corpus body). The same reason as `_primitives._window2_edit`.
-    # The start is a run-time zero, not the constant 0: XLA turns a constant-index
-    # read into a static `slice`, and a fusion that writes its operand in place may
-    # read that operand only through a `dynamic-slice` at the write's own indices.
-    # Otherwise the fusion is not in place and rewrites the whole buffer, every
-    # step, with no `copy` instruction to show it (`dynamic_update_slice` body
-    # forward: 40 ms against 0.2 ms). Not a zero made from `checked` alone: when
-    # no edit records errors (`promise_in_bounds` edits only), XLA proves the
-    # record is 0 and folds it. The corner's `max` is data XLA cannot fold, and a
-    # reduction is materialised on its own rather than fused into the write.
-    sizes = tuple(min(2, n) for n in storage.shape)
-    corner = lax.slice(storage, (0,) * storage.ndim, sizes)
-    if jnp.issubdtype(corner.dtype, jnp.complexfloating):
-        corner = jnp.real(corner)
-    zero = P.opaque_zero(jnp.max(corner)) + P.opaque_zero(checked)
-    first = (zero,) * storage.ndim
-    win = lax.dynamic_slice(storage, first, sizes)
-    win = jnp.where(checked != 0, jnp.zeros_like(win), win)
-    return lax.dynamic_update_slice(storage, win, first)
 
+    def check():
+        jax.debug.callback(_nothing, eqx.branched_error_if(error, pred, index, msgs))
 
-@_after.defjvp
-def _after_jvp(primals, tangents):
-    # The tangent is the storage's own: the write is an identity wherever the
-    # program goes on, so nothing is added to the tangent (or transposed) program.
-    storage, checked = primals
-    return _after(storage, checked), tangents[0]
+    lax.cond(unvmap_any(pred), check, lambda: None)
 
 
 def _raise_traced(
