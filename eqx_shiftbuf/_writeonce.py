@@ -63,29 +63,30 @@ class WriteOnceBuffer(eqx.Module):
     Reads: `buf[i]` / `buf[i, j]` (leading-dimension integer scalars), or
     `esb.dynamic_slice(buf, ...)`. Writes: `buf.at[i].set(value, pred=True)` or
     `esb.dynamic_update_slice(buf, ...)`; each returns a new buffer, to be returned
-    in the carry.
+    in the carry. Indices are checked at each call (`mode="promise_in_bounds"`
+    skips that).
     """
 
-    _buf: ShiftBuffer
+    _array: Array
     _written: Array | None = None
     _checking: Array | None = None
 
     @property
     def array(self) -> Array:
         """The contents."""
-        return self._buf.array
+        return self._array
 
     @property
     def shape(self) -> tuple[int, ...]:
-        return self._buf.shape
+        return self._array.shape
 
     @property
     def dtype(self) -> Any:
-        return self._buf.dtype
+        return self._array.dtype
 
     @property
     def ndim(self) -> int:
-        return self._buf.ndim
+        return self._array.ndim
 
     def __len__(self) -> int:
         return self.shape[0]
@@ -107,12 +108,12 @@ class WriteOnceBuffer(eqx.Module):
 
     def dynamic_slice(self, start_indices: Any, slice_sizes: Any, **kwargs) -> Array:
         """Read a window. See [`eqx_shiftbuf.dynamic_slice`][]."""
-        out = _ops.dynamic_slice(self._buf, start_indices, slice_sizes, **kwargs)
+        out = _ops.dynamic_slice(self._array, start_indices, slice_sizes, **kwargs)
         if self._written is not None:
             window = self._mask_window(start_indices, slice_sizes)
             window = jnp.where(window == _UNTOUCHED, _READ, window)
             # A read returns only the window, so the mask update is threaded through
-            # this object, as `esb.dynamic_slice` threads a ShiftBuffer's storage.
+            # this object.
             new = lax.dynamic_update_slice(self._written, window, _int32(start_indices))
             object.__setattr__(self, "_written", new)
         return out
@@ -126,7 +127,7 @@ class WriteOnceBuffer(eqx.Module):
         if pred is not True:
             # Equinox's `pred=`: write only where `pred` holds. Reading the window
             # first feeds the write of the same window, which stays in place.
-            old = _ops.dynamic_slice(self._buf, start_indices, update.shape, **kwargs)
+            old = _ops.dynamic_slice(self._array, start_indices, update.shape, **kwargs)
             update = jnp.where(pred, update, old)
         written = self._written
         if written is not None:
@@ -143,8 +144,8 @@ class WriteOnceBuffer(eqx.Module):
                 )
             window = jnp.where(mark, _WRITTEN, window)
             written = lax.dynamic_update_slice(written, window, _int32(start_indices))
-        buf = _ops.dynamic_update_slice(self._buf, update, start_indices, **kwargs)
-        return WriteOnceBuffer(buf, written, self._checking)
+        array = _ops.dynamic_update_slice(self._array, update, start_indices, **kwargs)
+        return WriteOnceBuffer(array, written, self._checking)
 
     def __getitem__(self, index: Any) -> Array:
         index = _index_tuple(index, self.ndim)
@@ -206,9 +207,6 @@ def wrap(x: Any, check: bool) -> WriteOnceBuffer:
             "esb.scan: a leaf named in `buffers=` must be an array with at least one "
             f"dimension; got a scalar of dtype {arr.dtype}."
         )
-    # No deferred-error record (`_error=None`): the body returns only the array, so
-    # its index checks are raised at each call.
-    buf = ShiftBuffer._from_storage(arr, 0, 0)
     if check:
-        return WriteOnceBuffer(buf, jnp.zeros(arr.shape, jnp.int8), jnp.asarray(True))
-    return WriteOnceBuffer(buf)
+        return WriteOnceBuffer(arr, jnp.zeros(arr.shape, jnp.int8), jnp.asarray(True))
+    return WriteOnceBuffer(arr)
