@@ -159,6 +159,194 @@ def test_checked_mode_is_off_while_steps_are_rerun():
     _close(grad(*args), jax.grad(_loss(lax.scan), argnums=(0, 1))(*args))
 
 
+# Read-before-write wherever the read happens. Step i reads row i + 1 through
+# `read(buf, j)` and writes row i; step i + 1 then writes the row step i read.
+
+
+def _checked_run(read, **kwargs):
+    def body(buf, i):
+        return buf.at[i].set(read(buf, i + 1) + 1.0), None
+
+    def run(buf0):
+        buf, _ = esb.scan(
+            body, buf0, jnp.arange(3), buffers=lambda b: b, check=True, **kwargs
+        )
+        return buf
+
+    return run
+
+
+def _read_in_cond(buf, j):
+    return lax.cond(j > 0, lambda: buf[j], lambda: jnp.float32(0.0))
+
+
+READ_BEFORE_WRITE = "read before it was written"
+
+
+@pytest.mark.parametrize("kind", ["lax", "checkpointed"])
+def test_checked_mode_raises_on_a_read_inside_cond_before_write(kind):
+    run = jax.jit(_checked_run(_read_in_cond, kind=kind))
+    with pytest.raises(Exception, match=READ_BEFORE_WRITE):
+        jax.block_until_ready(run(jnp.zeros(4, jnp.float32)))
+
+
+def test_checked_mode_raises_on_a_read_inside_cond_before_write_under_grad():
+    loss = lambda b: (_checked_run(_read_in_cond, checkpoints=2)(b) ** 2).sum()
+    with pytest.raises(Exception, match=READ_BEFORE_WRITE):
+        jax.block_until_ready(jax.jit(jax.grad(loss))(jnp.zeros(4, jnp.float32)))
+
+
+def test_checked_mode_raises_on_a_read_inside_switch_before_write():
+    def read(buf, j):
+        return lax.switch(j % 2, [lambda: buf[j], lambda: 2.0 * buf[j]])
+
+    with pytest.raises(Exception, match=READ_BEFORE_WRITE):
+        jax.block_until_ready(jax.jit(_checked_run(read))(jnp.zeros(4)))
+
+
+def test_checked_mode_raises_on_a_read_inside_an_inner_fori_loop_before_write():
+    def read(buf, j):
+        return lax.fori_loop(0, 2, lambda k, acc: acc + buf[j], jnp.float32(0.0))
+
+    with pytest.raises(Exception, match=READ_BEFORE_WRITE):
+        jax.block_until_ready(jax.jit(_checked_run(read))(jnp.zeros(4, jnp.float32)))
+
+
+def test_checked_mode_raises_on_a_read_inside_jax_checkpoint_before_write():
+    read = lambda buf, j: jax.checkpoint(lambda: buf[j])()
+    with pytest.raises(Exception, match=READ_BEFORE_WRITE):
+        jax.block_until_ready(jax.jit(_checked_run(read))(jnp.zeros(4)))
+
+
+def test_checked_mode_raises_on_a_read_before_write_under_vmap():
+    run = jax.jit(jax.vmap(_checked_run(_read_in_cond)))
+    with pytest.raises(Exception, match=READ_BEFORE_WRITE):
+        jax.block_until_ready(run(jnp.zeros((2, 4), jnp.float32)))
+
+
+def test_checked_mode_raises_on_a_read_in_an_inner_scan_before_the_outer_write():
+    # The outer step k reads, in an inner esb.scan, the row that the outer step
+    # k + 1 writes.
+    def outer(buf, k):
+        def inner(acc, j):
+            return acc + buf[k + 1], None
+
+        acc, _ = esb.scan(inner, jnp.float32(0.0), jnp.arange(2))
+        return buf.at[k].set(acc), None
+
+    run = lambda b: esb.scan(outer, b, jnp.arange(3), buffers=lambda b: b, check=True)
+    with pytest.raises(Exception, match=READ_BEFORE_WRITE):
+        jax.block_until_ready(jax.jit(run)(jnp.zeros(4, jnp.float32)))
+
+
+def test_checked_mode_raises_on_a_read_before_write_inside_an_inner_scan():
+    # The inner scan carries the outer buffer; its step j reads the row its step
+    # j + 1 writes: a later write in the same outer step.
+    def outer(buf, k):
+        def inner(buf, j):
+            return buf.at[3 * k + j].set(buf[3 * k + j + 1] + 1.0), None
+
+        buf, _ = esb.scan(inner, buf, jnp.arange(2), buffers=lambda b: b)
+        return buf, None
+
+    run = lambda b: esb.scan(outer, b, jnp.arange(2), buffers=lambda b: b, check=True)
+    with pytest.raises(Exception, match=READ_BEFORE_WRITE):
+        jax.block_until_ready(jax.jit(run)(jnp.zeros(6, jnp.float32)))
+
+
+def test_checked_mode_allows_reading_what_an_inner_scan_wrote_earlier_in_the_step():
+    def loss(scan, w):
+        def outer(buf, k):
+            def inner(buf, j):
+                return buf.at[2 * k + j].set(jnp.sin(w * (k + j))), None
+
+            buf, _ = scan(inner, buf, jnp.arange(2))
+            return buf, buf[2 * k] * buf[2 * k + 1]
+
+        buf, ys = scan(outer, jnp.zeros(6), jnp.arange(3))
+        return (buf**2).sum() + ys.sum()
+
+    ours = lambda f, c, x: esb.scan(
+        f, c, x, checkpoints=2, buffers=lambda b: b, check=True
+    )
+    grad = lambda scan: jax.jit(jax.value_and_grad(lambda w: loss(scan, w)))(0.3)
+    _close(grad(ours), grad(lax.scan))
+
+
+def test_checked_mode_raises_when_only_ys_are_used():
+    # The check must not be dead code when the buffer itself is not returned.
+    def body(buf, i):
+        v = _read_in_cond(buf, i + 1)
+        return buf.at[i].set(v), v
+
+    run = lambda b: esb.scan(body, b, jnp.arange(3), buffers=lambda b: b, check=True)[1]
+    with pytest.raises(Exception, match=READ_BEFORE_WRITE):
+        jax.block_until_ready(jax.jit(run)(jnp.zeros(4, jnp.float32)))
+
+
+def test_checked_mode_raises_on_a_second_write_inside_cond():
+    def body(buf, x):
+        write = lambda b: b.at[0].set(x * jnp.ones(3))
+        return lax.cond(x > 0, write, lambda b: b, buf), None
+
+    run = lambda b: esb.scan(body, b, jnp.ones(3), buffers=lambda b: b, check=True)
+    with pytest.raises(Exception, match="second write to a buffer position"):
+        jax.block_until_ready(jax.jit(run)(jnp.zeros((4, 3))))
+
+
+def test_checked_mode_keeps_the_buffer_and_its_record_in_place():
+    # The record of writes is updated in place by the run, and only read by the
+    # replay: no copy per step of either array, forward or reverse.
+    def loss(w, buf0):
+        def body(carry, i):
+            v, buf = carry
+            buf = buf.at[i].set(jnp.sin(w * v))
+            v = buf[jnp.where(i > 0, i - 1, buf.shape[0] - 1)]
+            return (v, buf), None
+
+        (v, buf), _ = esb.scan(
+            body,
+            (jnp.ones(16, jnp.float32), buf0),
+            jnp.arange(4095),
+            buffers=lambda c: c[1],
+            check=True,
+        )
+        return (buf**2).sum() + v.sum()
+
+    args = (jnp.float32(0.3), jax.ShapeDtypeStruct((4096, 16), jnp.float32))
+    for f in (loss, jax.grad(loss)):
+        assert esb.find_loop_copies(f, *args) == []
+
+
+@pytest.mark.parametrize("kind", ["lax", "checkpointed"])
+def test_checked_mode_allows_reads_inside_cond_of_written_or_never_written_rows(kind):
+    # Step i writes row i, then reads inside `cond` row i (written earlier in this
+    # step), row i - 1 (an earlier step) and the last row (never written).
+    def loss(scan, w, buf0):
+        def body(carry, i):
+            v, buf = carry
+            last = buf.shape[0] - 1
+            buf = buf.at[i].set(jnp.sin(w * v))
+            v = lax.cond(
+                i % 2 == 0,
+                lambda: buf[i] + buf[jnp.maximum(i - 1, 0)] * buf[last],
+                lambda: 2.0 * buf[i] - buf[last],
+            )
+            return (v, buf), v.sum()
+
+        (v, buf), ys = scan(body, (jnp.ones(3), buf0), jnp.arange(5))
+        return (buf**2).sum() + ys.sum() + v.sum()
+
+    ours = lambda f, c, x: esb.scan(
+        f, c, x, kind=kind, checkpoints=2, buffers=lambda c: c[1], check=True
+    )
+    buf0 = jnp.asarray(np.random.default_rng(1).normal(size=(6, 3)))
+    grad = lambda scan: jax.jit(
+        jax.value_and_grad(lambda w, b: loss(scan, w, b), argnums=(0, 1))
+    )(0.4, buf0)
+    _close(grad(ours), grad(lax.scan))
+
+
 @pytest.mark.parametrize("kind", ["lax", "checkpointed"])
 def test_body_sees_the_same_buffer_object_under_both_kinds(kind):
     seen = []
@@ -433,8 +621,9 @@ def test_vmap_with_each_batch_element_writing_its_own_rows():
     assert esb.find_loop_copies(grad, 0.3, jnp.ones((2, 4096, 2)), rows) == []
 
 
+@pytest.mark.parametrize("check", [False, True])
 @pytest.mark.parametrize("checkpoints", [2, "all"])
-def test_inner_scan_writes_into_the_outer_buffer(checkpoints):
+def test_inner_scan_writes_into_the_outer_buffer(checkpoints, check):
     # diffrax's pattern: an inner loop steps the state and writes every inner step
     # into a buffer owned by the outer loop.
     n_outer, n_inner = 4, 3
@@ -457,7 +646,7 @@ def test_inner_scan_writes_into_the_outer_buffer(checkpoints):
         return (saved**2).sum() + ys.sum() + y.sum()
 
     ours = lambda f, c, x: esb.scan(
-        f, c, x, checkpoints=checkpoints, buffers=lambda c: c[1]
+        f, c, x, checkpoints=checkpoints, buffers=lambda c: c[1], check=check
     )
     got = jax.value_and_grad(lambda w, y: loss(ours, w, y), argnums=(0, 1))(
         0.3, jnp.ones(2)
