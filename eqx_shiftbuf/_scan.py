@@ -14,9 +14,10 @@ once). Its rules:
   apply the body's VJP to the step after them.
 
 Carry leaves have roles (`_writeonce`): `NORMAL` leaves are stored at checkpoints;
-`BUFFER` leaves (write-once buffers named in `buffers=`, and their check masks)
+`BUFFER` leaves (write-once buffers named in `buffers=`, and their records of writes)
 are not: the JVP hands their final values to `scan_lin_p`, and rerun steps see
-those, as in Equinox; `CHECKING` (the checked mode's switch) is off in reruns.
+those, as in Equinox; `CHECKING` leaves (the checked mode's write count and
+phase) are zero in reruns, which turns the checks off.
 
 `jax.custom_vjp` would have been shorter but cannot be differentiated in forward
 mode (Equinox's checkpointed loops have that limit, equinox#927); a primitive pair
@@ -42,6 +43,7 @@ from jax._src.interpreters import partial_eval as pe
 from jax.extend.core import ClosedJaxpr, jaxpr_as_fun, Primitive
 from jax.interpreters import ad, batching, mlir
 
+from ._primitives import opaque_zero
 from ._schedule import schedule
 from ._writeonce import BUFFER, NORMAL, wrap, WriteOnceBuffer
 
@@ -454,7 +456,7 @@ def _reverse_pass(
 
     def with_finals(stored):
         # A rerun step sees the stored leaves, the buffers' final values, and the
-        # checked mode switched off (the final buffers are all written).
+        # checked mode's phase zero: off (the final buffers are all written).
         it_s, it_f = iter(stored), iter(finals)
         out = []
         for r, a in zip(roles, carry_avals):
@@ -721,10 +723,21 @@ def scan(
       `kind="checkpointed"` they are not stored at checkpoints: rerun steps read
       their final values. Writes and reads are in place; the gradient with respect
       to the initial contents is exact (zero where written).
-    - `check`: with `buffers`, carry a mask per buffer and raise (through
-      `equinox.error_if`) on a second write to a position, or on a write to a
-      position whose initial contents were read (a read before write). Off by
-      default: it costs an int8 mask the size of each buffer.
+    - `check`: with `buffers`, raise through `equinox.error_if`, when the program
+      runs, on a *second write* to an element of a buffer (during the scan), and
+      on a *read before write* (after the scan, before its results can be used): a
+      read of an element that a later write writes, later in the same step or in a
+      later step. The reverse pass reruns steps against the final buffer, so such
+      a read would be replayed with the written value and the gradient would be
+      silently wrong. Reading an element no write writes is allowed. Accesses
+      count wherever they are in the step (`lax.cond`, `lax.switch`, nested loops
+      and `esb.scan`s, `jax.checkpoint`, `jax.vmap`). Writes thread a record of
+      which write wrote each element; after the scan the steps run once more,
+      without gradient, from the initial carry with each buffer at its final
+      contents and record, and there each read checks that no later write writes
+      its window. See [`eqx_shiftbuf.WriteOnceBuffer`][] for the details. Off by
+      default: it costs two int32 arrays the size of each buffer, a check per
+      access, and that second run of the steps; `check=False` adds nothing.
 
     **Returns:**
 
@@ -737,10 +750,15 @@ def scan(
     if buffers is not None:
         init = _wrap_buffers(init, buffers, check)
     unwrap = functools.partial(_unwrap_buffers, keep=outer)
-    if kind == "lax":
+    top, _ = jtu.tree_flatten(init, is_leaf=_is_wob)
+    # The buffers this scan checks: its own, not an outer scan's (whose steps and
+    # replay belong to that scan).
+    checked = [
+        _is_wob(n) and not o and n._writes is not None for n, o in zip(top, outer)
+    ]
+    if kind == "lax" and not any(checked):
         carry, ys = lax.scan(f, init, xs, length, reverse=reverse, unroll=unroll)
         return unwrap(carry), ys
-    top, _ = jtu.tree_flatten(init, is_leaf=_is_wob)
     roles = []
     for node in top:
         roles.extend(node._roles() if _is_wob(node) else [NORMAL])
@@ -834,21 +852,44 @@ def scan(
         return unwrap(carry), jtu.tree_unflatten(y_tree, ys)
     if reverse:
         xs_flat = [jnp.flip(x, 0) for x in xs_flat]
-    out = scan_p.bind(
-        *consts,
-        *init_flat,
-        *xs_flat,
-        jaxpr=jaxpr,
-        num_consts=len(consts),
-        num_carry=num_carry,
-        length=length,
-        checkpoints=slots,
-        unroll=int(unroll)
-        if not isinstance(unroll, bool)
-        else (length if unroll else 1),
-        save=False,
-        roles=tuple(roles),
-    )
+    unroll = int(unroll) if not isinstance(unroll, bool) else (length if unroll else 1)
+    if kind == "lax":  # checked: the same steps as `scan_p`, without checkpoints
+        out = _primal_scan(
+            consts,
+            init_flat,
+            xs_flat,
+            jaxpr=jaxpr,
+            num_carry=num_carry,
+            length=length,
+            unroll=unroll,
+        )
+    else:
+        out = scan_p.bind(
+            *consts,
+            *init_flat,
+            *xs_flat,
+            jaxpr=jaxpr,
+            num_consts=len(consts),
+            num_carry=num_carry,
+            length=length,
+            checkpoints=slots,
+            unroll=unroll,
+            save=False,
+            roles=tuple(roles),
+        )
+    if any(checked):
+        tok = _replay(
+            jaxpr,
+            consts,
+            init_tree,
+            init_flat,
+            out[:num_carry],
+            xs_flat,
+            checked,
+            length=length,
+            unroll=unroll,
+        )
+        out = [_after(o, tok) if o.size else o for o in out]
     carry, ys = out[:num_carry], out[num_carry:]
     if reverse:
         ys = [jnp.flip(y, 0) for y in ys]
@@ -856,8 +897,100 @@ def scan(
     return unwrap(carry), jtu.tree_unflatten(y_tree, ys)
 
 
+@jax.custom_jvp
+def _after(storage: jax.Array, checked: jax.Array) -> jax.Array:
+    """`storage`, data-dependent on `checked` (a record that is 0 if the program goes
+    on), at the cost of rewriting a few elements in place: each output of a checked
+    scan waits so for the replay's checks (`_replay`), which are otherwise dead.
+
+    Not `error_if(storage, ...)`: a conditional's result is a new buffer, so that
+    copies the whole storage, every step when `.array` is read inside a loop
+    (measured: 1 copy per step of the cache body at 1600 rows). Not a
+    `lax.optimization_barrier((storage, checked))` either: XLA drops a barrier's
+    unused output and with it the (pure) check. Writing back the first elements,
+    selected on `checked`, is an in-place write XLA cannot simplify away.
+    """
+    # The window spans 2 positions of every dimension that has them: XLA:CPU
+    # duplicates a write whose update has a lower "true rank" (ignoring unit
+    # dimensions) than the buffer, a single element say, into the next read of the
+    # buffer, which then reads the older buffer, unordered with this write: a copy
+    # (the `mixed` corpus body). The same reason as `_primitives._window2_edit`.
+    # The start is a run-time zero, not the constant 0: XLA turns a constant-index
+    # read into a static `slice`, and a fusion that writes its operand in place may
+    # read that operand only through a `dynamic-slice` at the write's own indices.
+    # Otherwise the fusion is not in place and rewrites the whole buffer, every
+    # step, with no `copy` instruction to show it (`dynamic_update_slice` body
+    # forward: 40 ms against 0.2 ms). Not a zero made from `checked` alone: when
+    # no edit records errors (`promise_in_bounds` edits only), XLA proves the
+    # record is 0 and folds it. The corner's `max` is data XLA cannot fold, and a
+    # reduction is materialised on its own rather than fused into the write.
+    sizes = tuple(min(2, n) for n in storage.shape)
+    corner = lax.slice(storage, (0,) * storage.ndim, sizes)
+    if jnp.issubdtype(corner.dtype, jnp.complexfloating):
+        corner = jnp.real(corner)
+    zero = opaque_zero(jnp.max(corner)) + opaque_zero(checked)
+    first = (zero,) * storage.ndim
+    win = lax.dynamic_slice(storage, first, sizes)
+    win = jnp.where(checked != 0, jnp.zeros_like(win), win)
+    return lax.dynamic_update_slice(storage, win, first)
+
+
+@_after.defjvp
+def _after_jvp(primals, tangents):
+    # The tangent is the storage's own: the write is an identity wherever the
+    # program goes on, so nothing is added to the tangent (or transposed) program.
+    storage, checked = primals
+    return _after(storage, checked), tangents[0]
+
+
 def _is_wob(x: Any) -> bool:
     return isinstance(x, WriteOnceBuffer)
+
+
+def _replay(
+    jaxpr, consts, init_tree, init, final, xs, checked, *, length, unroll
+) -> jax.Array:
+    """The checked mode's read-before-write check: an int32 zero, raising first.
+
+    Runs the steps again from the initial carry `init`, with each buffer this scan
+    checks at its `final` contents and record of writes, in the REPLAY phase (see
+    `WriteOnceBuffer`): what the reverse pass reruns steps against. A read's check
+    is an `error_if` on the value it returns. The zero returned depends on every
+    value the steps return (each step's `ys`, and the last carry, which the loop
+    computes every step), so no check on a read whose value is used is dead code
+    once the scan's outputs depend on the zero. No gradient flows through it.
+    """
+    starts, tree = jtu.tree_flatten(
+        jtu.tree_unflatten(init_tree, init), is_leaf=_is_wob
+    )
+    ends = jtu.tree_leaves(jtu.tree_unflatten(init_tree, final), is_leaf=_is_wob)
+    nodes = [e._replaying() if c else s for s, e, c in zip(starts, ends, checked)]
+    carry0 = jtu.tree_leaves(jtu.tree_unflatten(tree, nodes))
+    body = _body(jaxpr, len(carry0))
+    consts, carry0, xs = jax.tree.map(lax.stop_gradient, (consts, carry0, xs))
+
+    def step(state, x):
+        carry, tok = state
+        carry, ys = body(consts, carry, x)
+        for y in ys:
+            tok = tok + _depends(y)
+        return (carry, tok), None
+
+    (carry, tok), _ = lax.scan(
+        step, (carry0, jnp.int32(0)), xs, length=length, unroll=unroll
+    )
+    for c in carry:
+        tok = tok + _depends(c)
+    return tok
+
+
+def _depends(x: jax.Array) -> jax.Array:
+    """An int32 zero that XLA cannot fold, computed from every element of `x`."""
+    if x.size == 0:
+        return jnp.int32(0)
+    if jnp.issubdtype(x.dtype, jnp.complexfloating):
+        x = jnp.real(x)
+    return (jnp.max(x).astype(jnp.float32) > jnp.inf).astype(jnp.int32)
 
 
 def _wrap_buffers(init: Any, buffers: Callable, check: bool) -> Any:

@@ -5,7 +5,6 @@ from __future__ import annotations
 from typing import Any
 
 import equinox as eqx
-import jax
 import jax.numpy as jnp
 from jax import lax
 from jaxtyping import Array, ArrayLike
@@ -17,9 +16,13 @@ from ._buffer import ShiftBuffer
 # Roles of a carry's flat leaves in `esb.scan(kind="checkpointed")` (see `_scan`):
 NORMAL = 0  # stored at checkpoints, reloaded when steps are rerun
 BUFFER = 1  # never stored: a rerun step sees the buffer's final value
-CHECKING = 2  # the checked mode's switch: off while steps are rerun
+CHECKING = 2  # the checked mode's count and phase: zero (off) while steps are rerun
 
-_UNTOUCHED, _READ, _WRITTEN = 0, 1, 2
+# Phases of the checked mode (`_Writes.phase`). `esb.scan(check=True)` runs its
+# steps in RECORD, then once more in REPLAY (see `WriteOnceBuffer`); the reverse
+# pass reruns them in OFF (its CHECKING leaves are zeros).
+OFF, RECORD, REPLAY = 0, 1, 2
+_NEVER = -1  # `_Writes.when` of an element no write wrote
 
 
 def _index_tuple(index: Any, ndim: int) -> tuple:
@@ -41,6 +44,29 @@ def _index_tuple(index: Any, ndim: int) -> tuple:
     return index
 
 
+class _Writes(eqx.Module):
+    """The checked mode's record of a `WriteOnceBuffer`'s writes.
+
+    - `when`: an int32 per element, the `count` of the write that wrote it, or
+      `_NEVER`. RECORD writes it.
+    - `final`: the whole run's `when`, which REPLAY checks reads against. Only
+      read, so never copied: were it `when` itself, a read of it early in a step
+      and its write later (which REPLAY still makes, keeping the window as it is)
+      would not be ordered by data, and XLA would copy it every step.
+    - `count`: how many writes (calls, whatever their `pred`) the buffer has had in
+      this run of the steps. REPLAY makes the same writes in the same order as the
+      run it replays (up to the first read it raises on), so at each point its
+      `count` is the run's: an element with `final >= count` is written after that
+      point.
+    - `phase`: OFF, RECORD or REPLAY.
+    """
+
+    when: Array
+    final: Array
+    count: Array
+    phase: Array
+
+
 class WriteOnceBuffer(eqx.Module):
     """A carry leaf declared in `esb.scan(..., buffers=...)`, as the body sees it.
 
@@ -50,9 +76,7 @@ class WriteOnceBuffer(eqx.Module):
     `equinox.internal.scan` does. Unlike Equinox, writes and reads are the
     in-place primitives of this library, so the gradient with respect to the
     initial contents is exact (zero where written) and a read costs O(window) in the
-    reverse pass; `check=True` in `esb.scan` makes a second write to a position, or
-    a write to a position whose initial contents were read, an error through
-    `equinox.error_if`.
+    reverse pass.
 
     Why writes keep their exact transpose: Equinox's write transposes to "read the
     window's cotangent" and skips zeroing it, which is what makes its gradient with
@@ -64,59 +88,94 @@ class WriteOnceBuffer(eqx.Module):
     Reads: `buf[i]` / `buf[i, j]` (leading-dimension integer scalars), or
     `esb.dynamic_slice(buf, ...)`. Writes: `buf.at[i].set(value, pred=True)` or
     `esb.dynamic_update_slice(buf, ...)`; each returns a new buffer, to be returned
-    in the carry.
+    in the carry. Indices are checked at each call (`mode="promise_in_bounds"`
+    skips that).
+
+    **Checked mode** (`esb.scan(..., check=True)`). Two errors are raised, through
+    `equinox.error_if`, when the program runs:
+
+    - *A second write*: a write to an element that an earlier write already wrote
+      (elements where `pred` is false are not written). Raised during the scan.
+    - *A read before write*: a read of an element that a later write writes, later
+      in the same step or in a later step. A rerun step of the reverse pass reads
+      the final buffer, so it would see the written value instead of the one read,
+      and the gradient would be silently wrong. Raised after the scan, before any
+      of its results can be used.
+
+    Reading an element that no write writes is allowed. Reads and writes count
+    wherever they are in the step: inside `lax.cond` or `lax.switch`, a nested
+    `lax.scan`, `lax.fori_loop` or `esb.scan`, `jax.checkpoint`, under `jax.vmap`.
+    The steps the reverse pass reruns check nothing.
+
+    How: each write returns a new buffer, so the writes thread a record: the number
+    of writes so far, and for each element the number of the write that wrote it.
+    A read returns only its value, so it cannot record itself. Instead, after the
+    scan, `esb.scan` runs the steps once more (without gradient) from the initial
+    carry, with each buffer at its final contents and with the final record:
+    what the reverse pass reruns steps against. The same writes come in the same
+    order, so each read knows how many writes came before it, and raises if the
+    record says an element of its window is written by a later one. A read whose
+    value is never used is removed by XLA, and so is its check (it cannot change
+    the gradient). Under `jax.vmap`, a `lax.cond` whose predicate is batched runs
+    both branches, so an access in the branch not taken can raise (as any
+    `equinox.error_if` there).
+
+    The cost, only with `check=True`: two int32 arrays of the buffer's shape (the
+    record, and the final record the rerun reads), a check per write and per read,
+    and the second run of the steps. The buffer and the record stay in place.
     """
 
-    _buf: ShiftBuffer
-    _written: Array | None = None
-    _checking: Array | None = None
+    _array: Array
+    _writes: _Writes | None = None  # the checked mode's record; None: unchecked
 
     @property
     def array(self) -> Array:
         """The contents."""
-        return self._buf.array
+        return self._array
 
     @property
     def shape(self) -> tuple[int, ...]:
-        return self._buf.shape
+        return self._array.shape
 
     @property
     def dtype(self) -> Any:
-        return self._buf.dtype
+        return self._array.dtype
 
     @property
     def ndim(self) -> int:
-        return self._buf.ndim
+        return self._array.ndim
 
     def __len__(self) -> int:
         return self.shape[0]
 
     def _roles(self) -> list[int]:
-        roles = [BUFFER] * len(jax.tree.leaves(self._buf))
-        if self._written is not None:
-            roles += [BUFFER, CHECKING]
-        return roles
+        if self._writes is None:
+            return [BUFFER]
+        # _array, when, final, count, phase
+        return [BUFFER, BUFFER, BUFFER, CHECKING, CHECKING]
 
-    # The checked mode's mask: per position, UNTOUCHED, READ (its initial contents
-    # were read) or WRITTEN. A write must find its window UNTOUCHED: WRITTEN is a
-    # second write, READ a read before write (the reverse pass would rerun that read
-    # against the final buffer).
-
-    def _mask_window(self, starts: Any, sizes: Any) -> Array:
-        assert self._written is not None
-        return lax.dynamic_slice(self._written, _int32(starts), sizes)
+    def _replaying(self) -> "WriteOnceBuffer":
+        """This (final) buffer at the start of the checked mode's replay."""
+        w = self._writes
+        assert w is not None
+        replay = _Writes(w.when, w.when, jnp.int32(0), jnp.int32(REPLAY))
+        return WriteOnceBuffer(self._array, replay)
 
     def dynamic_slice(self, start_indices: Any, slice_sizes: Any, **kwargs) -> Array:
         """Read a window. See [`eqx_shiftbuf.dynamic_slice`][]."""
-        out = _ops.dynamic_slice(self._buf, start_indices, slice_sizes, **kwargs)
-        if self._written is not None:
-            window = self._mask_window(start_indices, slice_sizes)
-            window = jnp.where(window == _UNTOUCHED, _READ, window)
-            # A read returns only the window, so the mask update is threaded through
-            # this object, as `esb.dynamic_slice` threads a ShiftBuffer's storage.
-            new = lax.dynamic_update_slice(self._written, window, _int32(start_indices))
-            object.__setattr__(self, "_written", new)
-        return out
+        out = _ops.dynamic_slice(self._array, start_indices, slice_sizes, **kwargs)
+        w = self._writes
+        if w is None:
+            return out
+        when = lax.dynamic_slice(w.final, _int32(start_indices), slice_sizes)
+        bad = jnp.any(when >= w.count) & (w.phase == REPLAY)
+        return eqx.error_if(
+            out,
+            bad,
+            "esb.scan(buffers=..., check=True): a position read before it was "
+            "written (by a later write in the same step, or a later step). The "
+            "reverse pass would rerun the read against the final buffer.",
+        )
 
     def dynamic_update_slice(
         self, update: ArrayLike, start_indices: Any, pred: Any = True, **kwargs
@@ -127,25 +186,28 @@ class WriteOnceBuffer(eqx.Module):
         if pred is not True:
             # Equinox's `pred=`: write only where `pred` holds. Reading the window
             # first feeds the write of the same window, which stays in place.
-            old = _ops.dynamic_slice(self._buf, start_indices, update.shape, **kwargs)
+            old = _ops.dynamic_slice(self._array, start_indices, update.shape, **kwargs)
             update = jnp.where(pred, update, old)
-        written = self._written
-        if written is not None:
-            assert self._checking is not None
-            window = self._mask_window(start_indices, update.shape)
+        w = self._writes
+        if w is not None:
+            starts = _int32(start_indices)
+            window = lax.dynamic_slice(w.when, starts, update.shape)
             mark = jnp.broadcast_to(jnp.asarray(pred, bool), update.shape)
-            for state, what in (
-                (_WRITTEN, "a second write to a buffer position"),
-                (_READ, "a write to a position read before it was written"),
-            ):
-                bad = jnp.any(mark & (window == state)) & self._checking
-                update = eqx.error_if(
-                    update, bad, f"esb.scan(buffers=..., check=True): {what}."
-                )
-            window = jnp.where(mark, _WRITTEN, window)
-            written = lax.dynamic_update_slice(written, window, _int32(start_indices))
-        buf = _ops.dynamic_update_slice(self._buf, update, start_indices, **kwargs)
-        return WriteOnceBuffer(buf, written, self._checking)
+            recording = w.phase == RECORD
+            bad = jnp.any(mark & (window != _NEVER)) & recording
+            window = jnp.where(mark & recording, w.count, window)
+            # Raised on the record's new window, which then depends on the old one
+            # (not only on `count`), so XLA writes the record in place.
+            window = eqx.error_if(
+                window,
+                bad,
+                "esb.scan(buffers=..., check=True): a second write to a buffer "
+                "position.",
+            )
+            when = lax.dynamic_update_slice(w.when, window, starts)
+            w = _Writes(when, w.final, w.count + 1, w.phase)
+        array = _ops.dynamic_update_slice(self._array, update, start_indices, **kwargs)
+        return WriteOnceBuffer(array, w)
 
     def __getitem__(self, index: Any) -> Array:
         index = _index_tuple(index, self.ndim)
@@ -207,9 +269,8 @@ def wrap(x: Any, check: bool) -> WriteOnceBuffer:
             "esb.scan: a leaf named in `buffers=` must be an array with at least one "
             f"dimension; got a scalar of dtype {arr.dtype}."
         )
-    # No deferred-error record (`_error=None`): the body returns only the array, so
-    # its index checks are raised at each call.
-    buf = ShiftBuffer(arr, 0)
     if check:
-        return WriteOnceBuffer(buf, jnp.zeros(arr.shape, jnp.int8), jnp.asarray(True))
-    return WriteOnceBuffer(buf)
+        when = jnp.full(arr.shape, _NEVER, jnp.int32)
+        record = _Writes(when, when, jnp.int32(0), jnp.int32(RECORD))
+        return WriteOnceBuffer(arr, record)
+    return WriteOnceBuffer(arr)
