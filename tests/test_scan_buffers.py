@@ -571,6 +571,7 @@ def test_reverse_pass_reads_cost_a_window_not_the_buffer():
     assert _loop_buffer_work(jax.grad(loss(theirs)), args, shape)
 
 
+@pytest.mark.parametrize("checkpoints", [1, 3, 8, "all"])
 def test_an_mlp_body_without_buffers_matches_equinox(checkpoints):
     mlp = eqx.nn.MLP(3, 3, 8, 2, key=jax.random.key(0))
 
