@@ -223,23 +223,38 @@ def _line_sizes(shape: tuple[int, ...], axis: int) -> tuple[int, ...]:
 # storage dimension.
 
 
-def _lowest(dtype) -> jax.Array:
-    """The lowest value of `dtype` (`-inf` for floats): the identity of `max`."""
-    if dtype == jnp.bool_:
-        return jnp.asarray(False)
-    if jnp.issubdtype(dtype, jnp.integer):
-        return jnp.asarray(jnp.iinfo(dtype).min, dtype)
-    return jnp.asarray(-jnp.inf, dtype)
+def _bits_dtype(dtype) -> Any:
+    """The unsigned integer dtype of the same width as `dtype`."""
+    dtype = jnp.dtype(dtype)
+    if jnp.issubdtype(dtype, jnp.unsignedinteger):
+        return dtype
+    info = jnp.iinfo(dtype) if jnp.issubdtype(dtype, jnp.integer) else jnp.finfo(dtype)
+    return jnp.dtype(f"uint{info.bits}")
 
 
 def _pick_by_max(pair, k, d: int, keepdims: bool = False):
-    """Element `k` (0 or 1) of `pair` along `d`, where `pair` is 2 wide: a `max`
-    with the other element masked to the dtype's lowest value, exact for every
-    value (-0.0, inf and NaN included). XLA materialises a reduction once instead
-    of duplicating it into its consumers (see `_window_by_reduce`)."""
+    """`(element, reduced)`: element `k` (0 or 1) of `pair` along `d`, where `pair`
+    is 2 wide, read as a `max` with the other element masked to zero, over the bit
+    patterns; `reduced` is the reduction's own result (those bits).
+
+    Exact for every value of every real or bool dtype. Not a `max` of the values
+    with the other element masked to `-inf`: the float8 dtypes without infinities
+    turn `-inf` into NaN, which then wins, and XLA:CPU computes bfloat16 and the
+    float8 dtypes in float32, flushing subnormals and quieting NaNs. The bits, as
+    the unsigned integer of the same width, are all at least the masked 0.
+
+    XLA materialises a reduction once instead of duplicating it into its consumers
+    (see `_window_by_reduce`).
+    """
     pos = lax.broadcasted_iota(k.dtype, pair.shape, d)
-    masked = jnp.where(pos == k, pair, _lowest(pair.dtype))
-    return jnp.max(masked, axis=d, keepdims=keepdims)
+    keep = pos == k
+    if pair.dtype == jnp.bool_:  # False is the lowest bool: no bits needed
+        out = jnp.max(jnp.where(keep, pair, False), axis=d, keepdims=keepdims)
+        return out, out
+    ubits = _bits_dtype(pair.dtype)
+    bits = jnp.where(keep, lax.bitcast_convert_type(pair, ubits), jnp.zeros((), ubits))
+    bits = jnp.max(bits, axis=d, keepdims=keepdims)
+    return lax.bitcast_convert_type(bits, pair.dtype), bits
 
 
 def _pair_dim(sizes: Sequence[int], shape: Sequence[int]) -> int | None:
@@ -248,15 +263,24 @@ def _pair_dim(sizes: Sequence[int], shape: Sequence[int]) -> int | None:
 
 
 def _window_by_reduce(s, st, sizes, d: int):
-    """`s[st : st + sizes]`, read as a `max` over the window and its neighbour
-    along `d` (a dimension it is 1 wide in), the neighbour masked to the dtype's
-    lowest value: exact for every value (-0.0, inf and NaN included).
+    """`(window, reduced)`: `s[st : st + sizes]`, read as a `max` over the window
+    and its neighbour along `d` (a dimension it is 1 wide in), the neighbour masked
+    out (`_pick_by_max`): exact for every value of every real or bool dtype.
+    `reduced` is the reduction's own result, to take the read's token from.
 
     A plain dynamic slice is cheap, so XLA duplicates it into each of its
     consumers, where it reads the storage unordered with respect to the next write:
     a copy. A reduction is materialised once, and its consumers (the next access,
     through the token) read its result. Reducing along a 2-wide dimension keeps it
     one kernel: XLA:CPU splits a reduction over more than 32 elements into two.
+
+    The token is taken from `reduced`, not from the window bitcast back from it,
+    so that the reduction has two users, the window and the token, as a reduction
+    of the values had. With the bitcast as its only user, XLA fused the computation
+    of the storage (a sum of cotangents) into the reduction as well as computing it
+    for the write, so that the reduction read that sum's operands, unordered with
+    respect to the write: a copy per step in the `kv_cache_attention` body's
+    gradient (`tests/test_corpus.py`).
     """
     st = list(st)
     i0 = jnp.minimum(st[d], s.shape[d] - 2)
@@ -280,9 +304,9 @@ def _read_impl(storage, tok, *starts, sizes):
     bshape, size = _batch_size(starts)
     d = _reduce_read(storage, size, sizes)
     if d is not None:
-        window = _window_by_reduce(storage, _element(starts, 0), sizes, d)
+        window, bits = _window_by_reduce(storage, _element(starts, 0), sizes, d)
         out = window.reshape(bshape + tuple(sizes))
-        return storage, out, opaque_zero(out)
+        return storage, out, opaque_zero(bits)
 
     free = _free_dim(sizes, storage.shape)
 
@@ -438,7 +462,7 @@ def _window2_edit(s, ix, axis, new_line, line=None, *, reduce_line=False):
     win = lax.dynamic_slice(s, start, sizes, allow_negative_indices=False)
     win = win.reshape((2,) + tuple(s.shape[axis:]))
     if reduce_line:
-        line = _pick_by_max(win, k, 0)
+        line, _ = _pick_by_max(win, k, 0)
     elif line is None:
         line = lax.dynamic_index_in_dim(win, k, 0, keepdims=False)
     new = new_line(jnp.int32(0), line, ix[-1]).astype(s.dtype)
