@@ -197,15 +197,20 @@ def _after(storage: jax.Array, checked: jax.Array) -> jax.Array:
     # no edit records errors (`promise_in_bounds` edits only), XLA proves the
     # record is 0 and folds it. The corner's `max` is data XLA cannot fold, and a
     # reduction is materialised on its own rather than fused into the write.
+    # The elements are rewritten as their bits where XLA:CPU would not write them
+    # exactly (`_primitives.carrier`): `.array` is a read, and returns every bit.
+    dtype = storage.dtype
+    storage = P.to_carrier(storage)
     sizes = tuple(min(2, n) for n in storage.shape)
     corner = lax.slice(storage, (0,) * storage.ndim, sizes)
     if jnp.issubdtype(corner.dtype, jnp.complexfloating):
         corner = jnp.real(corner)
+    # Zero for every value, NaN included (`opaque_zero`).
     zero = P.opaque_zero(jnp.max(corner)) + P.opaque_zero(checked)
     first = (zero,) * storage.ndim
     win = lax.dynamic_slice(storage, first, sizes)
     win = jnp.where(checked != 0, jnp.zeros_like(win), win)
-    return lax.dynamic_update_slice(storage, win, first)
+    return P.from_carrier(lax.dynamic_update_slice(storage, win, first), dtype)
 
 
 @_after.defjvp

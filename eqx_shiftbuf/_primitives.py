@@ -232,6 +232,35 @@ def _bits_dtype(dtype) -> Any:
     return jnp.dtype(f"uint{info.bits}")
 
 
+def carrier(dtype) -> Any:
+    """The dtype to move values of `dtype` through, exactly, when an operation
+    selects or writes them: the unsigned integer of the same width for bfloat16 and
+    the float8 and float4 dtypes, `dtype` itself otherwise.
+
+    XLA:CPU has no arithmetic for those dtypes, and computes every fused operation
+    on them, even a `select` or a `dynamic_update_slice`, in float32, converting
+    there and back: the way back quiets signalling NaNs and drops NaN payloads (of
+    the patterns of every element a `dynamic_update_slice` rewrites). Integers move
+    exactly. The other dtypes XLA:CPU moves exactly as they are.
+    """
+    dtype = jnp.dtype(dtype)
+    narrow = dtype == jnp.bfloat16 or dtype.itemsize == 1
+    return (
+        _bits_dtype(dtype) if jnp.issubdtype(dtype, jnp.floating) and narrow else dtype
+    )
+
+
+def to_carrier(x: jax.Array) -> jax.Array:
+    """`x` as its `carrier` dtype (the same bits; `x` itself if that is its dtype)."""
+    c = carrier(x.dtype)
+    return x if c == x.dtype else lax.bitcast_convert_type(x, c)
+
+
+def from_carrier(x: jax.Array, dtype) -> jax.Array:
+    """The values of `dtype` whose `carrier` bits `x` holds."""
+    return x if x.dtype == dtype else lax.bitcast_convert_type(x, dtype)
+
+
 def _pick_by_max(pair, k, d: int, keepdims: bool = False):
     """`(element, reduced)`: element `k` (0 or 1) of `pair` along `d`, where `pair`
     is 2 wide, read as a `max` with the other element masked to zero, over the bit
@@ -309,6 +338,11 @@ def _read_impl(storage, tok, *starts, sizes):
         return storage, out, opaque_zero(bits)
 
     free = _free_dim(sizes, storage.shape)
+    # The loop moves bits where XLA:CPU would not move the values exactly (see
+    # `carrier`), the storage too: XLA would otherwise carry it through the loop
+    # converted to float32.
+    dtype = storage.dtype
+    storage = to_carrier(storage)
 
     def body(j, state):
         s, out = state
@@ -326,8 +360,8 @@ def _read_impl(storage, tok, *starts, sizes):
 
     out = jnp.zeros((size,) + tuple(sizes), storage.dtype)
     storage, out = _loop(tok, size, body, (storage, out))
-    out = out.reshape(bshape + tuple(sizes))
-    return storage, out, opaque_zero(out)
+    out = from_carrier(out.reshape(bshape + tuple(sizes)), dtype)
+    return from_carrier(storage, dtype), out, opaque_zero(out)
 
 
 def _read_abstract(storage, tok, *starts, sizes):

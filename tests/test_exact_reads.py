@@ -103,6 +103,56 @@ def test_pop_returns_every_value_bit_for_bit(dtype, row, col):
     assert_same_bits(buf, ref.pop(a, (row, col), 1)[0], written=True)
 
 
+@jax.jit
+def pop_row(x, r):
+    return esb.pop(x, r, axis=0)
+
+
+@pytest.mark.parametrize("row", ROWS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_pop_along_the_first_axis_returns_every_value_bit_for_bit(dtype, row):
+    # Along the first axis the line is the whole buffer, which no reduction can
+    # pair with a neighbour: it is read in a loop before the shift.
+    a = rows_of(dtype)
+    _, got = pop_row(jnp.asarray(a), jnp.int32(row))
+    assert_same_bits(got, lax_read(a, (row, 0), (1, a.shape[1])).reshape(-1))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_array_returns_every_value_bit_for_bit(dtype):
+    # A buffer passed into a jitted function has a traced error record, so `.array`
+    # checks it and writes its first elements back (`_ops._after`).
+    a = rows_of(dtype)
+    got = jax.jit(lambda sb: sb.array)(esb.ShiftBuffer.from_array(jnp.asarray(a)))
+    assert_same_bits(got, a)
+
+
+@pytest.mark.parametrize("row", ROWS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_batched_reads_return_every_value_bit_for_bit(dtype, row):
+    # Under vmap, reads run in a loop of `lax.dynamic_slice`s rather than reduce.
+    a = rows_of(dtype)
+    read = jax.jit(jax.vmap(read_row, in_axes=(None, 0)))
+    got = read(jnp.asarray(a), jnp.asarray([row, 2 - row], jnp.int32))
+    n = a.shape[1]
+    want = np.stack([lax_read(a, (r, 0), (1, n)) for r in (row, 2 - row)])
+    assert_same_bits(got, want)
+
+
+@pytest.mark.parametrize("row", ROWS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_batched_pops_return_every_value_bit_for_bit(dtype, row):
+    a = lines_of(dtype)
+    pops = jax.jit(jax.vmap(lambda x, r, c: pop(x, r, c)[1], in_axes=(None, 0, 0)))
+    got = pops(jnp.asarray(a), jnp.asarray([row, 2 - row]), jnp.asarray([0, 1]))
+    n = a.shape[2]
+    want = [
+        lax_read(a, (row, 0, 0), (1, 1, n)),
+        lax_read(a, (2 - row, 1, 0), (1, 1, n)),
+    ]
+    assert_same_bits(got, np.stack(want).reshape(2, n))
+
+
 # ---------------------------------------------------------------------------
 # What an edit wrote reads back exactly.
 
