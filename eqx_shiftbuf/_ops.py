@@ -280,6 +280,11 @@ def _raise_traced(
     for k in reversed(range(last)):
         index = jnp.where(bads[k], jnp.int32(k), index)
     any_bad = functools.reduce(jnp.logical_or, bads)
+    # Under vmap, `branched_error_if` raises the largest index over the batch
+    # (`equinox`'s `unvmap_max`): an element with nothing out of range must not
+    # outbid one that has, with the message of an entry (or a recorded error) that
+    # is fine.
+    index = jnp.where(any_bad, index, jnp.int32(0))
     # The check is threaded into this call's indices, so the access waits for it:
     # through one int32 that is 0 whenever the program goes on (`any(bad)` itself),
     # added to each traced index (to every index when none is traced but a recorded
