@@ -108,6 +108,15 @@ def _loop(tok, size: int, body: Callable, state):
     return lax.fori_loop(jnp.int32(0), n, body, state)
 
 
+def _touches_nothing(size: int, shape: Sequence[int]) -> bool:
+    """Whether an access of `size` batch elements, each of a window (or, for a
+    shift, a buffer) of `shape`, touches no element: then it is the identity on the
+    storage, and is written as such. The general lowerings slice a line, or a
+    window 2 wide, that a zero-size buffer does not have.
+    """
+    return size == 0 or math.prod(shape) == 0
+
+
 def _write(
     tok, size: int, body: Callable, state, idx: Sequence[jax.Array], at: int | None = -1
 ):
@@ -331,6 +340,9 @@ def _reduce_read(storage, size: int, sizes: Sequence[int]) -> int | None:
 
 def _read_impl(storage, tok, *starts, sizes):
     bshape, size = _batch_size(starts)
+    if _touches_nothing(size, sizes):
+        out = jnp.zeros(bshape + tuple(sizes), storage.dtype)
+        return storage, out, jnp.zeros((), jnp.int32)
     d = _reduce_read(storage, size, sizes)
     if d is not None:
         window, bits = _window_by_reduce(storage, _element(starts, 0), sizes, d)
@@ -375,6 +387,8 @@ def _read_abstract(storage, tok, *starts, sizes):
 
 def _accum_impl(storage, tok, window, *starts, ordered):
     bshape, size = _batch_size(starts)
+    if _touches_nothing(size, window.shape[len(bshape) :]):
+        return (storage,)
     window = _flat(window, bshape)
     olds = None
     if ordered and size != 1:  # as in `_shift`: read the old windows in a loop first
@@ -399,6 +413,8 @@ def _accum_abstract(storage, tok, window, *starts, ordered):
 
 def _swap_impl(storage, tok, update, *starts, read):
     bshape, size = _batch_size(starts)
+    if _touches_nothing(size, update.shape[len(bshape) :]):
+        return storage, jnp.zeros(update.shape, update.dtype)
     update = _flat(update, bshape)
     if read:
         # Read the old windows (`_read_impl`), then write, with the write depending
@@ -552,7 +568,9 @@ def _shift(storage, tok, idx, axis, new_line, ordered, want_lines=False):
 
 
 def _insert_impl(storage, tok, value, *idx, axis, ordered):
-    bshape, _ = _batch_size(idx)
+    bshape, size = _batch_size(idx)
+    if _touches_nothing(size, storage.shape):
+        return (storage,)
     value = _flat(value, bshape)
     new_line = lambda j, line, col: _shift_right(line, col, _take(value, j))
     return (_shift(storage, tok, idx, axis, new_line, ordered)[0],)
@@ -572,6 +590,8 @@ def _reduce_readable(storage, size: int, axis: int) -> bool:
 
 def _pop_impl(storage, tok, *idx, axis, fill, read, ordered):
     bshape, size = _batch_size(idx)
+    if _touches_nothing(size, storage.shape):
+        return storage, jnp.zeros(bshape + storage.shape[axis + 1 :], storage.dtype)
     new_line = lambda j, line, col: _shift_left(line, col, fill)
     if not read:  # a delete: the removed elements are not wanted
         storage, _ = _shift(storage, tok, idx, axis, new_line, ordered)
