@@ -7,6 +7,7 @@ time, through `equinox.error_if`), then binds one primitive from `_primitives`.
 from __future__ import annotations
 
 import functools
+import math
 import os
 from collections.abc import Sequence
 from typing import Any, NamedTuple, TYPE_CHECKING, TypeGuard, Union
@@ -57,16 +58,23 @@ def _is_concrete_int(i: Any) -> bool:
     return isinstance(i, (int, np.integer)) and not isinstance(i, bool)
 
 
+def _valid_values(bound: int, pos: int) -> str:
+    """What the valid values of index entry `pos` are, as an error message says it."""
+    if bound < 0:  # an insert/delete/pop index along a dimension of length 0
+        return f"the buffer has length 0 along dimension {pos}, so no value is valid."
+    return f"valid values are 0 to {bound}."
+
+
 def _check_scalar_index(i: Any, argname: str, pos: int, bound: int) -> Any:
-    """One index entry as an int32 scalar, checked against `[0, bound]`."""
+    """One index entry as an int32 scalar, checked against `[0, bound]` (no value
+    is valid when `bound` is negative)."""
     what = f"`{argname}`[{pos}]"
+    valid = _valid_values(bound, pos)
     if isinstance(i, bool) or isinstance(i, np.bool_):
         raise TypeError(f"{what} must be an integer; got the bool {i!r}.")
     if _is_concrete_int(i):
         if not 0 <= i <= bound:
-            raise IndexError(
-                f"{what}={int(i)} is out of range: valid values are 0 to {bound}."
-            )
+            raise IndexError(f"{what}={int(i)} is out of range: {valid}")
         return jnp.int32(i)
     if isinstance(i, float):
         raise TypeError(f"{what} must be an integer; got the float {i!r}.")
@@ -88,15 +96,11 @@ def _check_scalar_index(i: Any, argname: str, pos: int, bound: int) -> Any:
     if not isinstance(arr, Tracer):
         value = int(arr)
         if not 0 <= value <= bound:
-            raise IndexError(
-                f"{what}={value} is out of range: valid values are 0 to {bound}."
-            )
+            raise IndexError(f"{what}={value} is out of range: {valid}")
         return arr.astype(jnp.int32)
-    return _Traced(
-        arr,
-        (arr < 0) | (arr > bound),
-        f"{what} is out of range: valid values are 0 to {bound}.",
-    )
+    # A traced index is checked at run time even where no value is valid: the call
+    # may sit in a branch that never runs (a Python int there is still an error).
+    return _Traced(arr, (arr < 0) | (arr > bound), f"{what} is out of range: {valid}")
 
 
 class _Traced(NamedTuple):
@@ -230,7 +234,11 @@ def raise_deferred(
     # Messages are decoded against the shape of one buffer of the batch.
     msgs = _DeferredMessages((), storage.shape[len(batch_shape) :])
     pred, index = error != 0, _code_index(error)
-    if os.environ.get("EQX_ON_ERROR", "raise") != "raise" or storage.size == 0:
+    if storage.size == 0:
+        # No element to poison or to stop before: the check runs on the side.
+        _check_on_the_side(error, pred, index, msgs)
+        return storage
+    if os.environ.get("EQX_ON_ERROR", "raise") != "raise":
         # "nan" must poison the whole result, "breakpoint" stop before it: the plain
         # form, which passes the storage through the error's conditional.
         return eqx.branched_error_if(storage, pred, index, msgs)
@@ -240,6 +248,19 @@ def raise_deferred(
 
 def _nothing(*_: Any) -> None:
     pass
+
+
+def _keep(checked: jax.Array) -> None:
+    """Make sure the check that computed `checked` runs, though no result uses it.
+
+    An access that touches no element (a zero-size window, or any access of a
+    zero-size buffer) has zero-size results only, and XLA replaces every zero-size
+    value by a constant: the indices that carry the check then have no use, and
+    the check (an `equinox.error_if`, a pure callback) is removed as dead code. A
+    `jax.debug.callback` is an effect, never removed, so the check it takes as an
+    operand runs. It costs a host callback per call, for accesses that do nothing.
+    """
+    jax.debug.callback(_nothing, checked)
 
 
 def _check_on_the_side(error, pred, index, msgs) -> None:
@@ -274,6 +295,7 @@ def _raise_traced(
     sizes: Sequence[int] | None = None,
     error: Any = None,
     defer: bool = False,
+    empty: bool = False,
 ) -> tuple[list[jax.Array], Any]:
     """Cast the entries to int32 and check the traced ones: `(indices, error)`.
 
@@ -286,6 +308,8 @@ def _raise_traced(
     record together: each is a conditional on the compiled step's critical path (on
     XLA:CPU about as much as a whole small edit), so there is at most one per call,
     and the branch index still picks the message of the first entry out of range.
+    `empty`: the access touches no element, so nothing would use the check
+    (`_keep`).
     """
     if mode not in MODES:
         raise ValueError(f"`mode` must be None or 'promise_in_bounds'; got {mode!r}.")
@@ -336,6 +360,8 @@ def _raise_traced(
     # error is). Passing the indices themselves through the conditional makes XLA
     # materialise each one as a scalar kernel of its own before it.
     tok = eqx.branched_error_if(any_bad.astype(jnp.int32), any_bad, index, msgs)
+    if empty:
+        _keep(tok)
     for k in traced or range(len(values)):
         values[k] = values[k] + tok.astype(jnp.asarray(values[k]).dtype)
     return values, error
@@ -386,6 +412,7 @@ def check_index(
         shape=shape,
         error=error,
         defer=defer,
+        empty=math.prod(shape) == 0,
     )
 
 
@@ -413,6 +440,7 @@ def check_starts(
         sizes=sizes,
         error=error,
         defer=defer,
+        empty=math.prod(sizes) == 0,
     )
 
 

@@ -131,6 +131,15 @@ def _loop(tok, size: int, body: Callable, state):
     return lax.fori_loop(jnp.int32(0), n, body, state)
 
 
+def _touches_nothing(size: int, shape: Sequence[int]) -> bool:
+    """Whether an access of `size` batch elements, each of a window (or, for a
+    shift, a buffer) of `shape`, touches no element: then it is the identity on the
+    storage, and is written as such. The general lowerings slice a line, or a
+    window 2 wide, that a zero-size buffer does not have.
+    """
+    return size == 0 or math.prod(shape) == 0
+
+
 def _write(
     tok, size: int, body: Callable, state, idx: Sequence[jax.Array], at: int | None = -1
 ):
@@ -246,23 +255,67 @@ def _line_sizes(shape: tuple[int, ...], axis: int) -> tuple[int, ...]:
 # storage dimension.
 
 
-def _lowest(dtype) -> jax.Array:
-    """The lowest value of `dtype` (`-inf` for floats): the identity of `max`."""
-    if dtype == jnp.bool_:
-        return jnp.asarray(False)
-    if jnp.issubdtype(dtype, jnp.integer):
-        return jnp.asarray(jnp.iinfo(dtype).min, dtype)
-    return jnp.asarray(-jnp.inf, dtype)
+def _bits_dtype(dtype) -> Any:
+    """The unsigned integer dtype of the same width as `dtype`."""
+    dtype = jnp.dtype(dtype)
+    if jnp.issubdtype(dtype, jnp.unsignedinteger):
+        return dtype
+    info = jnp.iinfo(dtype) if jnp.issubdtype(dtype, jnp.integer) else jnp.finfo(dtype)
+    return jnp.dtype(f"uint{info.bits}")
+
+
+def carrier(dtype) -> Any:
+    """The dtype to move values of `dtype` through, exactly, when an operation
+    selects or writes them: the unsigned integer of the same width for bfloat16 and
+    the float8 and float4 dtypes, `dtype` itself otherwise.
+
+    XLA:CPU has no arithmetic for those dtypes, and computes every fused operation
+    on them, even a `select` or a `dynamic_update_slice`, in float32, converting
+    there and back: the way back quiets signalling NaNs and drops NaN payloads (of
+    the patterns of every element a `dynamic_update_slice` rewrites). Integers move
+    exactly. The other dtypes XLA:CPU moves exactly as they are.
+    """
+    dtype = jnp.dtype(dtype)
+    narrow = dtype == jnp.bfloat16 or dtype.itemsize == 1
+    return (
+        _bits_dtype(dtype) if jnp.issubdtype(dtype, jnp.floating) and narrow else dtype
+    )
+
+
+def to_carrier(x: jax.Array) -> jax.Array:
+    """`x` as its `carrier` dtype (the same bits; `x` itself if that is its dtype)."""
+    c = carrier(x.dtype)
+    return x if c == x.dtype else lax.bitcast_convert_type(x, c)
+
+
+def from_carrier(x: jax.Array, dtype) -> jax.Array:
+    """The values of `dtype` whose `carrier` bits `x` holds."""
+    return x if x.dtype == dtype else lax.bitcast_convert_type(x, dtype)
 
 
 def _pick_by_max(pair, k, d: int, keepdims: bool = False):
-    """Element `k` (0 or 1) of `pair` along `d`, where `pair` is 2 wide: a `max`
-    with the other element masked to the dtype's lowest value, exact for every
-    value (-0.0, inf and NaN included). XLA materialises a reduction once instead
-    of duplicating it into its consumers (see `_window_by_reduce`)."""
+    """`(element, reduced)`: element `k` (0 or 1) of `pair` along `d`, where `pair`
+    is 2 wide, read as a `max` with the other element masked to zero, over the bit
+    patterns; `reduced` is the reduction's own result (those bits).
+
+    Exact for every value of every real or bool dtype. Not a `max` of the values
+    with the other element masked to `-inf`: the float8 dtypes without infinities
+    turn `-inf` into NaN, which then wins, and XLA:CPU computes bfloat16 and the
+    float8 dtypes in float32, flushing subnormals and quieting NaNs. The bits, as
+    the unsigned integer of the same width, are all at least the masked 0.
+
+    XLA materialises a reduction once instead of duplicating it into its consumers
+    (see `_window_by_reduce`).
+    """
     pos = lax.broadcasted_iota(k.dtype, pair.shape, d)
-    masked = jnp.where(pos == k, pair, _lowest(pair.dtype))
-    return jnp.max(masked, axis=d, keepdims=keepdims)
+    keep = pos == k
+    if pair.dtype == jnp.bool_:  # False is the lowest bool: no bits needed
+        out = jnp.max(jnp.where(keep, pair, False), axis=d, keepdims=keepdims)
+        return out, out
+    ubits = _bits_dtype(pair.dtype)
+    bits = jnp.where(keep, lax.bitcast_convert_type(pair, ubits), jnp.zeros((), ubits))
+    bits = jnp.max(bits, axis=d, keepdims=keepdims)
+    return lax.bitcast_convert_type(bits, pair.dtype), bits
 
 
 def _pair_dim(sizes: Sequence[int], shape: Sequence[int]) -> int | None:
@@ -271,15 +324,24 @@ def _pair_dim(sizes: Sequence[int], shape: Sequence[int]) -> int | None:
 
 
 def _window_by_reduce(s, st, sizes, d: int):
-    """`s[st : st + sizes]`, read as a `max` over the window and its neighbour
-    along `d` (a dimension it is 1 wide in), the neighbour masked to the dtype's
-    lowest value: exact for every value (-0.0, inf and NaN included).
+    """`(window, reduced)`: `s[st : st + sizes]`, read as a `max` over the window
+    and its neighbour along `d` (a dimension it is 1 wide in), the neighbour masked
+    out (`_pick_by_max`): exact for every value of every real or bool dtype.
+    `reduced` is the reduction's own result, to take the read's token from.
 
     A plain dynamic slice is cheap, so XLA duplicates it into each of its
     consumers, where it reads the storage unordered with respect to the next write:
     a copy. A reduction is materialised once, and its consumers (the next access,
     through the token) read its result. Reducing along a 2-wide dimension keeps it
     one kernel: XLA:CPU splits a reduction over more than 32 elements into two.
+
+    The token is taken from `reduced`, not from the window bitcast back from it,
+    so that the reduction has two users, the window and the token, as a reduction
+    of the values had. With the bitcast as its only user, XLA fused the computation
+    of the storage (a sum of cotangents) into the reduction as well as computing it
+    for the write, so that the reduction read that sum's operands, unordered with
+    respect to the write: a copy per step in the `kv_cache_attention` body's
+    gradient (`tests/test_corpus.py`).
     """
     st = list(st)
     i0 = jnp.minimum(st[d], s.shape[d] - 2)
@@ -301,13 +363,25 @@ def _reduce_read(storage, size: int, sizes: Sequence[int]) -> int | None:
 
 def _read_impl(storage, tok, *starts, sizes):
     bshape, size = _batch_size(starts)
+    if _touches_nothing(size, sizes):
+        out = jnp.zeros(bshape + tuple(sizes), storage.dtype)
+        return storage, out, tok
     d = _reduce_read(storage, size, sizes)
     if d is not None:
-        window = _window_by_reduce(storage, _element(starts, 0), sizes, d)
+        window, bits = _window_by_reduce(storage, _element(starts, 0), sizes, d)
         out = window.reshape(bshape + tuple(sizes))
-        return storage, out, _read_token(tok, out)
+        # The token is made from the reduction's integer result, not from the
+        # window: a zero made from the window is a second use of the converted
+        # value, which XLA:CPU then materialises beside the buffer (1 copy per
+        # step of the kv-cache body under grad).
+        return storage, out, _read_token(tok, bits)
 
     free = _free_dim(sizes, storage.shape)
+    # The loop moves bits where XLA:CPU would not move the values exactly (see
+    # `carrier`), the storage too: XLA would otherwise carry it through the loop
+    # converted to float32.
+    dtype = storage.dtype
+    storage = to_carrier(storage)
 
     def body(j, state):
         s, out = state
@@ -325,8 +399,9 @@ def _read_impl(storage, tok, *starts, sizes):
 
     out = jnp.zeros((size,) + tuple(sizes), storage.dtype)
     storage, out = _loop(tok, size, body, (storage, out))
-    out = out.reshape(bshape + tuple(sizes))
-    return storage, out, _read_token(tok, out)
+    tok = _read_token(tok, out)
+    out = from_carrier(out.reshape(bshape + tuple(sizes)), dtype)
+    return from_carrier(storage, dtype), out, tok
 
 
 def _read_abstract(storage, tok, *starts, sizes):
@@ -341,6 +416,8 @@ def _read_abstract(storage, tok, *starts, sizes):
 def _accum_impl(storage, tok, window, *starts, ordered):
     tok_in = tok
     bshape, size = _batch_size(starts)
+    if _touches_nothing(size, window.shape[len(bshape) :]):
+        return storage, tok
     window = _flat(window, bshape)
     olds = None
     if ordered and size != 1:  # as in `_shift`: read the old windows in a loop first
@@ -366,6 +443,8 @@ def _accum_abstract(storage, tok, window, *starts, ordered):
 def _swap_impl(storage, tok, update, *starts, read):
     tok_in = tok
     bshape, size = _batch_size(starts)
+    if _touches_nothing(size, update.shape[len(bshape) :]):
+        return storage, jnp.zeros(update.shape, update.dtype), tok
     update = _flat(update, bshape)
     if read:
         # Read the old windows (`_read_impl`), then write, with the write depending
@@ -463,7 +542,7 @@ def _window2_edit(s, ix, axis, new_line, line=None, *, reduce_line=False):
     win = lax.dynamic_slice(s, start, sizes, allow_negative_indices=False)
     win = win.reshape((2,) + tuple(s.shape[axis:]))
     if reduce_line:
-        line = _pick_by_max(win, k, 0)
+        line, _ = _pick_by_max(win, k, 0)
     elif line is None:
         line = lax.dynamic_index_in_dim(win, k, 0, keepdims=False)
     new = new_line(jnp.int32(0), line, ix[-1]).astype(s.dtype)
@@ -519,7 +598,9 @@ def _shift(storage, tok, idx, axis, new_line, ordered, want_lines=False):
 
 
 def _insert_impl(storage, tok, value, *idx, axis, ordered):
-    bshape, _ = _batch_size(idx)
+    bshape, size = _batch_size(idx)
+    if _touches_nothing(size, storage.shape):
+        return storage, tok
     value = _flat(value, bshape)
     new_line = lambda j, line, col: _shift_right(line, col, _take(value, j))
     return _shift(storage, tok, idx, axis, new_line, ordered)[0], tok
@@ -544,6 +625,8 @@ def _pop_impl(storage, tok, *idx, axis, fill, read, ordered):
 
 def _pop_edit(storage, tok, idx, axis, fill, read, ordered):
     bshape, size = _batch_size(idx)
+    if _touches_nothing(size, storage.shape):
+        return storage, jnp.zeros(bshape + storage.shape[axis + 1 :], storage.dtype)
     new_line = lambda j, line, col: _shift_left(line, col, fill)
     if not read:  # a delete: the removed elements are not wanted
         storage, _ = _shift(storage, tok, idx, axis, new_line, ordered)

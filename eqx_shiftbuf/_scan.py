@@ -43,7 +43,7 @@ from jax._src.interpreters import partial_eval as pe
 from jax.extend.core import ClosedJaxpr, jaxpr_as_fun, Primitive
 from jax.interpreters import ad, batching, mlir
 
-from ._primitives import opaque_zero
+from ._primitives import from_carrier, opaque_zero, to_carrier
 from ._schedule import schedule
 from ._writeonce import BUFFER, NORMAL, wrap, WriteOnceBuffer
 
@@ -924,6 +924,10 @@ def _after(storage: jax.Array, checked: jax.Array) -> jax.Array:
     # no edit records errors (`promise_in_bounds` edits only), XLA proves the
     # record is 0 and folds it. The corner's `max` is data XLA cannot fold, and a
     # reduction is materialised on its own rather than fused into the write.
+    # The elements are rewritten as their bits where XLA:CPU would not write them
+    # exactly (`_primitives.carrier`): the outputs keep every bit.
+    dtype = storage.dtype
+    storage = to_carrier(storage)
     sizes = tuple(min(2, n) for n in storage.shape)
     corner = lax.slice(storage, (0,) * storage.ndim, sizes)
     if jnp.issubdtype(corner.dtype, jnp.complexfloating):
@@ -932,7 +936,7 @@ def _after(storage: jax.Array, checked: jax.Array) -> jax.Array:
     first = (zero,) * storage.ndim
     win = lax.dynamic_slice(storage, first, sizes)
     win = jnp.where(checked != 0, jnp.zeros_like(win), win)
-    return lax.dynamic_update_slice(storage, win, first)
+    return from_carrier(lax.dynamic_update_slice(storage, win, first), dtype)
 
 
 @_after.defjvp

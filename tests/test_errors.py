@@ -340,6 +340,32 @@ def test_a_bad_edit_in_one_batch_element_raises_under_vmap():
         )
 
 
+@requires_raise
+@pytest.mark.parametrize("bad_element", [0, 1], ids=["first-bad", "second-bad"])
+@pytest.mark.parametrize("as_buffer", [False, True], ids=["array", "ShiftBuffer"])
+def test_a_bad_index_in_one_batch_element_is_the_one_named_under_vmap(
+    as_buffer, bad_element
+):
+    # Under vmap the check raises one message for the batch: the bad element's,
+    # not one an element whose indices are all in range would have chosen (the
+    # last entry's, or a ShiftBuffer's recorded error's).
+    def read(x, r, c):
+        return esb.pop(esb.ShiftBuffer.from_array(x) if as_buffer else x, (r, c))[1]
+
+    rows = [0, 0]
+    rows[bad_element] = ROWS
+    run = jax.jit(jax.vmap(read, in_axes=(None, 0, 0)))
+    # Anchored after the exception's name: a recorded error's message ends with
+    # the same words.
+    message = "RuntimeError: " + re.escape(
+        "`index`[0] is out of range: valid values are 0 to 2."
+    )
+    with pytest.raises(RUNTIME_ERRORS, match=message):
+        jax.block_until_ready(
+            run(buffer(), jnp.array(rows, jnp.int32), jnp.zeros(2, jnp.int32))
+        )
+
+
 def test_in_range_edits_record_nothing():
     def edits(x, i):
         sb = esb.ShiftBuffer.from_array(x).insert((i, i), 1.0)

@@ -13,6 +13,7 @@ from jax import lax
 import eqx_shiftbuf as esb
 
 from . import reference as ref
+from .special import SPECIAL, special_array, WHERE
 
 
 EXAMPLES = 200
@@ -167,43 +168,12 @@ def test_fill_value_is_shifted_in():
     )
 
 
-# Values a masked read could get wrong: the sign of zero, infinities, NaN, the most
-# negative integer (reads are a masked `max` over the value and a neighbour).
-SPECIAL = [
-    pytest.param(jnp.float32, -0.0, id="f32--0.0"),
-    pytest.param(jnp.float32, -np.inf, id="f32--inf"),
-    pytest.param(jnp.float32, np.inf, id="f32-inf"),
-    pytest.param(jnp.float32, np.nan, id="f32-nan"),
-    pytest.param(jnp.bfloat16, -0.0, id="bf16--0.0"),
-    pytest.param(jnp.float64, -np.inf, id="f64--inf"),
-    pytest.param(jnp.int32, np.iinfo(np.int32).min, id="i32-min"),
-    pytest.param(jnp.uint8, 0, id="u8-0"),
-    pytest.param(jnp.bool_, False, id="bool-False"),
-]
-
-
-# Where the element is: inside the line, and in the last row and column (where the
-# pair of elements the reduction reads starts one before it).
-WHERE = [pytest.param((1, 2), id="inside"), pytest.param((2, 4), id="last")]
-
-
-def _special(dtype, value, others, cells) -> np.ndarray:
-    """A 3x5 array holding `value` at `cells` and, around it, the same value or
-    (`others == "nan"`, floating dtypes only) NaN."""
-    if others == "nan" and not jnp.issubdtype(dtype, jnp.floating):
-        pytest.skip("NaN neighbours are for floating dtypes")
-    fill = value if others == "same" else np.nan
-    a = np.full((3, 5), fill, dtype=jnp.dtype(dtype))
-    a[cells] = np.asarray(value, jnp.dtype(dtype))
-    return a
-
-
 @pytest.mark.parametrize("where", WHERE)
 @pytest.mark.parametrize("dtype, value", SPECIAL)
 @pytest.mark.parametrize("others", ["same", "nan"], ids=["others-same", "others-nan"])
 def test_pop_returns_any_value_bit_for_bit(dtype, value, others, where):
     # Jitted and traced: the run-time path.
-    a = _special(dtype, value, others, where)
+    a = special_array(dtype, value, others, where)
 
     @jax.jit
     def pop(x, r, c):
@@ -223,7 +193,7 @@ def test_pop_returns_any_value_bit_for_bit(dtype, value, others, where):
 def test_dynamic_slice_returns_any_value_bit_for_bit(dtype, value, others, where):
     # A window read is a masked `max` over the window and a neighbouring row.
     r, c = where
-    a = _special(dtype, value, others, (r, slice(c - 1, c + 1)))
+    a = special_array(dtype, value, others, (r, slice(c - 1, c + 1)))
 
     @jax.jit
     def read(x, r, c):
