@@ -3,7 +3,7 @@
     python benchmarks/corpus.py [--steps 1000] [--rows 100] [--repeat 5]
                                 [--bodies insert,pop] [--plot benchmarks/grad_vs_rows.png]
 
-For each body of `eqx_shiftbuf.corpus`, a `steps`-step `lax.scan` is timed in one run
+For each body of `tests/corpus.py`, a `steps`-step `lax.scan` is timed in one run
 for these versions:
 
 - `plain lax`: the body written with plain `lax` ops on an array carry;
@@ -71,8 +71,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from insert_delete import insert_row, insert_transpose  # noqa: E402  (this folder)
 
 import eqx_shiftbuf as esb  # noqa: E402
-from eqx_shiftbuf import corpus  # noqa: E402
 from eqx_shiftbuf._inspect import loop_copies_in_hlo  # noqa: E402
+from tests import corpus  # noqa: E402  (the step bodies the tests check)
 
 
 MULTIPLIERS = (1, 4, 16)

@@ -86,7 +86,7 @@ class ShiftBuffer(eqx.Module):
             raise ValueError("`array` must have at least one dimension; got a scalar.")
         self._storage = arr
         self.axis = _ops.normalise_axis(axis, arr.ndim)
-        self.fill = _ops._check_fill(fill, arr.dtype)
+        self.fill = _ops.check_fill(fill, arr.dtype)
         self._error = jnp.zeros((), jnp.float32)
         self._token = new_token()
 
@@ -147,9 +147,8 @@ class ShiftBuffer(eqx.Module):
         """The contents, an array of shape `self.shape`.
 
         Raises (through `equinox.error_if`) if an earlier edit had a traced index out
-        of range. Inside a loop, prefer `buf, contents = buf.read()`: the check
-        rewrites a corner of the storage in place, and a later use of `buf` itself
-        (an edit, or returning it from the step) then copies the buffer.
+        of range. Inside a loop, prefer `buf, contents = buf.read()`: the buffer it
+        returns makes the next edit wait for the read, which `buf.array` cannot.
         """
         return _ops.raise_deferred(self._storage, self._error, self.batch_shape)
 
@@ -183,6 +182,22 @@ class ShiftBuffer(eqx.Module):
 
     # -- operations
 
+    def _leaves(self, name: str) -> _ops.Leaves:
+        """The array leaves an operation named `name` takes; refuses a batch."""
+        if self.batch_shape:
+            raise TypeError(
+                f"esb.{name}: this ShiftBuffer is a batch of buffers (batch shape "
+                f"{self.batch_shape}, as `jax.vmap` or `eqx.filter_vmap` returns it), "
+                f"and esb.{name} edits or reads one buffer at indices for one buffer. "
+                f"Apply it under `jax.vmap` (or `eqx.filter_vmap`) over the batch, "
+                f"e.g. `jax.vmap(lambda b, i: ...)(buffers, indices)`. `.array` and "
+                "`.shape` work on the whole batch."
+            )
+        return _ops.Leaves(self._storage, self._error, self._token)
+
+    def _with(self, b: _ops.Leaves) -> "ShiftBuffer":
+        return self._replace(b.storage, b.error, b.token)
+
     def read(
         self,
         start_indices: Sequence[_ops.Index] | None = None,
@@ -192,7 +207,18 @@ class ShiftBuffer(eqx.Module):
     ) -> tuple["ShiftBuffer", Array]:
         """Read a window (or, with no arguments, the whole contents) and return the
         buffer to carry on with: `(buffer, window)`. See [`eqx_shiftbuf.read`][]."""
-        return _ops.read(self, start_indices, slice_sizes, mode=mode)
+        if (start_indices is None) != (slice_sizes is None):
+            raise TypeError(
+                "esb.read: give both `start_indices` and `slice_sizes` (a window), "
+                "or neither (the whole contents)."
+            )
+        if start_indices is None:
+            storage = self.array
+            return self._replace(storage, self._error, self._token), storage
+        b, window = _ops.read_window(
+            self._leaves("read"), start_indices, slice_sizes, mode
+        )
+        return self._with(b), window
 
     def dynamic_slice(
         self,
@@ -202,10 +228,10 @@ class ShiftBuffer(eqx.Module):
         mode: str | None = None,
     ) -> Array:
         """Read a window: `lax.dynamic_slice(self.array, start_indices, slice_sizes)`.
-
-        See [`eqx_shiftbuf.dynamic_slice`][].
+        Inside a loop, prefer `read`. See [`eqx_shiftbuf.dynamic_slice`][].
         """
-        return _ops.dynamic_slice(self, start_indices, slice_sizes, mode=mode)
+        b = self._leaves("dynamic_slice")
+        return _ops.read_window(b, start_indices, slice_sizes, mode)[1]
 
     def dynamic_update_slice(
         self,
@@ -215,22 +241,40 @@ class ShiftBuffer(eqx.Module):
         mode: str | None = None,
     ) -> "ShiftBuffer":
         """Overwrite a window. See [`eqx_shiftbuf.dynamic_update_slice`][]."""
-        return _ops.dynamic_update_slice(self, update, start_indices, mode=mode)
+        b = self._leaves("dynamic_update_slice")
+        return self._with(_ops.update_window(b, update, start_indices, mode))
 
     def insert(
         self, index: _ops.IndexTuple, value: ArrayLike, *, mode: str | None = None
     ) -> "ShiftBuffer":
         """Insert `value` at `index`, shifting right. See [`eqx_shiftbuf.insert`][]."""
-        return _ops.insert(self, index, value, mode=mode)
+        b = _ops.insert_at(self._leaves("insert"), index, value, self.axis, mode)
+        return self._with(b)
 
     def delete(
-        self, index: _ops.IndexTuple, *, mode: str | None = None
+        self,
+        index: _ops.IndexTuple,
+        *,
+        fill: bool | int | float | None = None,
+        mode: str | None = None,
     ) -> "ShiftBuffer":
-        """Remove the element at `index`, shifting left. See [`eqx_shiftbuf.delete`][]."""
-        return _ops.delete(self, index, mode=mode)
+        """Remove the element at `index`, shifting left; `fill` (default: the
+        buffer's) enters at the end. See [`eqx_shiftbuf.delete`][]."""
+        fill = self.fill if fill is None else fill
+        b = self._leaves("delete")
+        return self._with(_ops.pop_at(b, index, self.axis, fill, mode, read=False)[0])
 
     def pop(
-        self, index: _ops.IndexTuple, *, mode: str | None = None
+        self,
+        index: _ops.IndexTuple,
+        *,
+        fill: bool | int | float | None = None,
+        mode: str | None = None,
     ) -> tuple["ShiftBuffer", Array]:
-        """Remove and return the element at `index`. See [`eqx_shiftbuf.pop`][]."""
-        return _ops.pop(self, index, mode=mode)
+        """Remove and return the element at `index`; `fill` (default: the buffer's)
+        enters at the end. See [`eqx_shiftbuf.pop`][]."""
+        fill = self.fill if fill is None else fill
+        b, removed = _ops.pop_at(
+            self._leaves("pop"), index, self.axis, fill, mode, read=True
+        )
+        return self._with(b), removed

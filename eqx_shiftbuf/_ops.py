@@ -1,7 +1,12 @@
-"""The buffer operations, for plain arrays, `ShiftBuffer`s and Equinox buffers.
+"""The buffer operations on a storage array: validation, then one primitive.
 
-Each public function validates its arguments at trace time (and traced indices at run
-time, through `equinox.error_if`), then binds one primitive from `_primitives`.
+Each operation here takes the storage array, the token of its last access and its
+deferred-error record (None where the buffer keeps none), validates its arguments at
+trace time (and traced indices at run time, through `equinox.error_if`, or by
+recording them), binds one primitive from `_primitives`, and returns the new storage,
+record and token. It knows nothing of the buffer types: `ShiftBuffer`
+(`_buffer.py`) and `WriteOnceBuffer` (`_writeonce.py`) call these with their leaves,
+and the public functions (`_functions.py`) dispatch on the kind of buffer.
 """
 
 from __future__ import annotations
@@ -10,32 +15,22 @@ import functools
 import math
 import os
 from collections.abc import Sequence
-from typing import Any, NamedTuple, TYPE_CHECKING, TypeGuard, Union
+from typing import Any, NamedTuple, Union
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
-from equinox.internal import unvmap_any
 from jax import lax
 from jax.core import Tracer
-from jaxtyping import Array, ArrayLike, Int
+from jaxtyping import ArrayLike, Int
 
 from . import _primitives as P
+from ._xla import check_on_the_side, keep_alive
 
-
-if TYPE_CHECKING:
-    from ._buffer import ShiftBuffer
-    from ._writeonce import WriteOnceBuffer
-
-try:  # Equinox's loop buffers; private, so tolerate their absence.
-    from equinox.internal._loop.common import _Buffer as _EqxBuffer
-except ImportError:  # pragma: no cover
-    _EqxBuffer = ()
 
 Index = Union[int, Int[ArrayLike, ""]]
 IndexTuple = Union[Index, Sequence[Index]]
-BufferLike = Union[Array, "ShiftBuffer", Any]
 
 
 # ---------------------------------------------------------------------------
@@ -236,54 +231,14 @@ def raise_deferred(
     pred, index = error != 0, _code_index(error)
     if storage.size == 0:
         # No element to poison or to stop before: the check runs on the side.
-        _check_on_the_side(error, pred, index, msgs)
+        check_on_the_side(error, pred, index, msgs)
         return storage
     if os.environ.get("EQX_ON_ERROR", "raise") != "raise":
         # "nan" must poison the whole result, "breakpoint" stop before it: the plain
         # form, which passes the storage through the error's conditional.
         return eqx.branched_error_if(storage, pred, index, msgs)
-    _check_on_the_side(error, pred, index, msgs)
+    check_on_the_side(error, pred, index, msgs)
     return storage
-
-
-def _nothing(*_: Any) -> None:
-    pass
-
-
-def _keep(checked: jax.Array) -> None:
-    """Make sure the check that computed `checked` runs, though no result uses it.
-
-    An access that touches no element (a zero-size window, or any access of a
-    zero-size buffer) has zero-size results only, and XLA replaces every zero-size
-    value by a constant: the indices that carry the check then have no use, and
-    the check (an `equinox.error_if`, a pure callback) is removed as dead code. A
-    `jax.debug.callback` is an effect, never removed, so the check it takes as an
-    operand runs. It costs a host callback per call, for accesses that do nothing.
-    """
-    jax.debug.callback(_nothing, checked)
-
-
-def _check_on_the_side(error, pred, index, msgs) -> None:
-    """Raise the error `error` records, through `equinox.branched_error_if`, with
-    nothing depending on the check: the contents are returned as they are.
-
-    A check whose result is not used is dead code to JAX and XLA (Equinox's check
-    is a pure callback in a conditional). So the check runs inside a conditional
-    that also makes an effectful (never dead) callback, taken only when `pred`
-    holds: in "raise" mode the check raises first, the program stops and returns
-    nothing, so no value of the bad buffer is ever seen. The contents need no data
-    dependence on the check, so neither a copy nor a write of the storage: a
-    conditional's result is a new buffer (`error_if(storage, ...)` copies the whole
-    buffer every step when `.array` is read inside a loop: 1 copy per step of the
-    cache body at 1600 rows), and writing a corner of the storage to make it depend
-    on the check is an in-place write that the next edit of the buffer, or
-    returning it from the step, then copies.
-    """
-
-    def check():
-        jax.debug.callback(_nothing, eqx.branched_error_if(error, pred, index, msgs))
-
-    lax.cond(unvmap_any(pred), check, lambda: None)
 
 
 def _raise_traced(
@@ -309,7 +264,7 @@ def _raise_traced(
     XLA:CPU about as much as a whole small edit), so there is at most one per call,
     and the branch index still picks the message of the first entry out of range.
     `empty`: the access touches no element, so nothing would use the check
-    (`_keep`).
+    (`keep_alive`).
     """
     if mode not in MODES:
         raise ValueError(f"`mode` must be None or 'promise_in_bounds'; got {mode!r}.")
@@ -344,8 +299,8 @@ def _raise_traced(
     # The message of the first entry out of range (the recorded error's when only
     # it is set), chosen with scalar `where`s and `or`s that fuse into one small
     # kernel. Not `argmax`/`any` over the stacked flags: XLA:CPU runs `argmax` as a
-    # variadic reduction costing about 0.4 us, every step in a loop (a checked
-    # pop's forward step took 2.6x its unchecked one; 1.2x without it).
+    # variadic reduction, a kernel of its own every step in a loop, as costly as
+    # a small edit (`benchmarks/corpus.py` compares checked and promised steps).
     last = len(bads) - 1
     # With nothing out of range, index 0: under `vmap`, Equinox raises the largest
     # index of the batch, which must be that of an element with an error.
@@ -361,7 +316,7 @@ def _raise_traced(
     # materialise each one as a scalar kernel of its own before it.
     tok = eqx.branched_error_if(any_bad.astype(jnp.int32), any_bad, index, msgs)
     if empty:
-        _keep(tok)
+        keep_alive(tok)
     for k in traced or range(len(values)):
         values[k] = values[k] + tok.astype(jnp.asarray(values[k]).dtype)
     return values, error
@@ -469,8 +424,8 @@ def check_value(
     value: Any, shape: tuple[int, ...], dtype: Any, argname: str, what: str
 ) -> jax.Array:
     """`value` as an array of exactly `shape` and the buffer's `dtype`."""
-    if isinstance(value, ShiftBufferType()):
-        raise TypeError(f"`{argname}` must be an array; got a ShiftBuffer.")
+    if isinstance(value, eqx.Module):
+        raise TypeError(f"`{argname}` must be an array; got a {type(value).__name__}.")
     arr = jnp.asarray(value)
     if arr.shape != tuple(shape):
         raise ValueError(
@@ -488,404 +443,126 @@ def check_value(
     return arr.astype(dtype)
 
 
-def ShiftBufferType():
-    from ._buffer import ShiftBuffer
-
-    return ShiftBuffer
-
-
 # ---------------------------------------------------------------------------
-# Dispatch on the kind of buffer.
+# The operations, on a storage array.
 
 
-def _is_write_once(x: Any) -> TypeGuard[WriteOnceBuffer]:
-    from ._writeonce import WriteOnceBuffer
+class Leaves(NamedTuple):
+    """A buffer's array leaves: what every operation takes and returns."""
 
-    return isinstance(x, WriteOnceBuffer)
-
-
-def _unwrap_eqx(buf: Any) -> jax.Array:
-    # `_Buffer.__getitem__` is a plain read of the underlying (possibly nested) array.
-    return buf[...]
+    storage: jax.Array
+    error: Any  # the deferred-error record, or None
+    token: jax.Array
 
 
-def check_unbatched(x: ShiftBuffer, name: str) -> None:
-    """Refuse a batch of buffers (see `ShiftBuffer.batch_shape`) outside `vmap`."""
-    if x.batch_shape:
-        raise TypeError(
-            f"esb.{name}: this ShiftBuffer is a batch of buffers (batch shape "
-            f"{x.batch_shape}, as `jax.vmap` or `eqx.filter_vmap` returns it), and "
-            f"esb.{name} edits or reads one buffer at indices for one buffer. Apply "
-            f"it under `jax.vmap` (or `eqx.filter_vmap`) over the batch, e.g. "
-            f"`jax.vmap(lambda b, i: ...)(buffers, indices)`. `.array` and `.shape` "
-            "work on the whole batch."
-        )
+def array_leaves(arr: jax.Array) -> Leaves:
+    """A plain array's leaves: no record (every call checks at once), and a token
+    that orders nothing (a plain array carries none from one call to the next)."""
+    return Leaves(arr, None, P.new_token())
 
 
-def _storage_and_axis(x: Any, axis: Any, fill: Any, name: str) -> tuple[Any, int, Any]:
-    """(storage array, non-negative axis, fill) for any kind of buffer."""
-    SB = ShiftBufferType()
-    if isinstance(x, SB):
-        check_unbatched(x, name)
-        if axis is not None and normalise_axis(axis, x.ndim) != x.axis:
-            raise ValueError(
-                f"`axis`={axis} differs from the ShiftBuffer's own axis {x.axis}; "
-                "leave `axis` out for a ShiftBuffer."
-            )
-        return x._storage, x.axis, x.fill if fill is None else fill
-    if _EqxBuffer and isinstance(x, _EqxBuffer):
-        arr = _unwrap_eqx(x)
-    else:
-        arr = x
-        if not isinstance(arr, (jax.Array, np.ndarray, Tracer)):
-            raise TypeError(
-                "The buffer must be a JAX array, a ShiftBuffer, or an "
-                f"equinox.internal buffer; got {type(x).__name__}."
-            )
-        arr = jnp.asarray(arr)
-    if arr.ndim == 0:
-        raise ValueError("The buffer must have at least one dimension; got a scalar.")
-    axis = -1 if axis is None else axis
-    return arr, normalise_axis(axis, arr.ndim), 0 if fill is None else fill
-
-
-def _token_of(x: Any) -> jax.Array:
-    """The token of the last access of `x` (see `_primitives`, "Binding helpers").
-
-    A `ShiftBuffer` keeps it as its `_token` leaf, which its operations thread; any
-    other buffer has none, so an access of a plain array is ordered after earlier
-    reads of it only through the values it uses.
-    """
-    if isinstance(x, ShiftBufferType()):
-        return x._token
-    return P.new_token()
-
-
-def _error_of(x: Any) -> Any:
-    """A `ShiftBuffer`'s deferred-error record; None for any other buffer."""
-    return x._error if isinstance(x, ShiftBufferType()) else None
-
-
-def _rebuild(x: Any, storage: Any, error: Any, token: Any) -> Any:
-    """A buffer of the kind of `x` holding `storage`, with `x`'s static fields."""
-    if isinstance(x, ShiftBufferType()):
-        return x._replace(storage, error, token)
-    return storage
-
-
-def _refuse_eqx_shift(x: Any, name: str) -> None:
-    # Equinox's buffers are write-once: its checkpointed loops replay each step's
-    # backward pass against the *final* buffer and pass the cotangent through a write
-    # without zeroing it (equinox/internal/_loop/common.py, `maybe_set_p`). A shift
-    # reads the line it then overwrites, so its gradient there would be silently
-    # wrong (a popped value is replayed from the shifted line). Refuse it outright:
-    # whether the step will be differentiated is not known when it is traced.
-    if _EqxBuffer and isinstance(x, _EqxBuffer):
-        raise TypeError(
-            f"esb.{name} cannot edit an equinox.internal loop buffer: those are "
-            "write-once, and a shift rewrites the line it reads, which Equinox "
-            "differentiates wrongly. Keep the array in the carry as an "
-            "eqx_shiftbuf.ShiftBuffer (not in `buffers=`). esb.dynamic_slice and "
-            "esb.dynamic_update_slice do accept Equinox buffers."
-        )
-
-
-def _eqx_window_index(starts: Sequence[jax.Array], sizes: Sequence[int]) -> tuple:
-    n = len(sizes)
-    out = []
-    for k, (s, size) in enumerate(zip(starts, sizes)):
-        shape = [1] * n
-        shape[k] = size
-        out.append((s + jnp.arange(size, dtype=s.dtype)).reshape(shape))
-    return tuple(out)
-
-
-# ---------------------------------------------------------------------------
-# Public functions.
-
-
-def dynamic_slice(
-    x: BufferLike,
-    start_indices: Sequence[Index],
-    slice_sizes: Sequence[int],
-    *,
-    mode: str | None = None,
-) -> Array:
-    """Read a window of a buffer: `lax.dynamic_slice(x, start_indices, slice_sizes)`.
-
-    Unlike `lax.dynamic_slice`, a window that does not fit is an error, never a
-    silent clamp, and reading a `ShiftBuffer` inside a loop stays in place under
-    autodiff: the read is ordered before the buffer's next write.
-
-    **Arguments:**
-
-    - `x`: a JAX array, a [`eqx_shiftbuf.ShiftBuffer`][], or the buffer object that
-      `equinox.internal.scan(..., buffers=...)` passes to its body.
-    - `start_indices`: one integer scalar per dimension of `x`.
-    - `slice_sizes`: one Python int per dimension of `x`.
-    - `mode`: `None` (the default) checks traced indices when the program runs,
-      through `equinox.error_if`. `"promise_in_bounds"` skips that check, as the
-      mode of that name does for `jax.numpy`'s `.at[...]`: you promise that every
-      index is in range, and a traced index out of range then gives an unspecified
-      result. Python-int indices are always checked. A read's check is one
-      conditional per call (on XLA:CPU about as much as a small edit); it also
-      raises an error that an earlier edit of the `ShiftBuffer` recorded. An edit
-      of a `ShiftBuffer` (`insert`, `delete`, `dynamic_update_slice`) records a bad
-      index in the buffer instead, for the next read to raise: no conditional (see
-      [`eqx_shiftbuf.ShiftBuffer`][]). On other buffers every call checks at once.
-      A `"promise_in_bounds"` call makes no check at all: it neither records nor
-      raises a recorded error.
-
-    **Returns:**
-
-    The window, an array of shape `slice_sizes`.
-    """
-    return read(x, start_indices, slice_sizes, mode=mode)[1]
-
-
-def read(
-    x: BufferLike,
-    start_indices: Sequence[Index] | None = None,
-    slice_sizes: Sequence[int] | None = None,
-    *,
-    mode: str | None = None,
-) -> tuple[Any, Array]:
-    """Read a window of a buffer, and return the buffer to use from then on.
-
-    `esb.read(x, start_indices, slice_sizes)` is `(x2, window)` with `window ==
-    esb.dynamic_slice(x, start_indices, slice_sizes)`; with neither given it reads
-    the whole contents (`x.array` for a `ShiftBuffer`, raising a recorded index
-    error as `.array` does). `x2` holds the same values as `x`. This is the form to
-    use inside a loop, as an `equinox.nn.State` is used: carry on with `x2`, not
-    `x`.
-
-    Why: XLA updates a loop-carried buffer in place only when every read of it is
-    ordered before the next write by data dependence. `x2` (a `ShiftBuffer`)
-    carries a token that the next edit of `x2` waits for, and its storage is the
-    read's output, so that under `jax.grad` the read's cotangent is added into the
-    buffer's cotangent in place. `esb.dynamic_slice` returns only the window: a
-    later edit of `x` that does not use the window's values, or a step that returns
-    `x` after reading it, then copies the buffer (or, under `jax.grad`, adds a
-    buffer-sized cotangent) every step. On a plain array, `x2` is the read's output
-    array but carries no token: carry a `ShiftBuffer` to order reads and writes.
-
-    **Arguments:** as for [`eqx_shiftbuf.dynamic_slice`][]; `start_indices` and
-    `slice_sizes` are given together or not at all.
-
-    **Returns:**
-
-    `(x2, window)`: the buffer, of the same kind as `x`, and the window (or the
-    whole contents).
-    """
-    if (start_indices is None) != (slice_sizes is None):
-        raise TypeError(
-            "esb.read: give both `start_indices` and `slice_sizes` (a window), or "
-            "neither (the whole contents)."
-        )
-    if start_indices is None:
-        return _read_all(x)
-    if _is_write_once(x):
-        return x, x.dynamic_slice(start_indices, slice_sizes, mode=mode)
-    storage, _, _ = _storage_and_axis(x, None, None, "dynamic_slice")
-    sizes = check_sizes(slice_sizes, storage.shape)
+def read_window(
+    b: Leaves, start_indices: Any, slice_sizes: Any, mode: str | None
+) -> tuple[Leaves, jax.Array]:
+    """`(leaves, window)`: the window `storage[start : start + sizes]`, read by
+    `read_p` after the index check (which also raises a recorded error)."""
+    sizes = check_sizes(slice_sizes, b.storage.shape)
     starts, error = check_starts(
         start_indices,
-        storage.shape,
+        b.storage.shape,
         sizes,
         "start_indices",
         mode,
         op="dynamic_slice",
-        error=_error_of(x),
+        error=b.error,
     )
-    if _EqxBuffer and isinstance(x, _EqxBuffer):
-        return x, lax.dynamic_slice(storage, starts, sizes)
-    new_storage, window, tok = P.bind_read(storage, _token_of(x), starts, sizes)
-    return _rebuild(x, new_storage, error, tok), window
+    storage, window, tok = P.bind_read(b.storage, b.token, starts, sizes)
+    return Leaves(storage, error, tok), window
 
 
-def _read_all(x: Any) -> tuple[Any, Array]:
-    if _is_write_once(x):
-        return x, x.array
-    if isinstance(x, ShiftBufferType()):
-        storage = raise_deferred(x._storage, x._error, x.batch_shape)
-        return x._replace(storage, x._error, x._token), storage
-    storage, _, _ = _storage_and_axis(x, None, None, "read")
-    return storage, storage
-
-
-def dynamic_update_slice(
-    x: BufferLike,
-    update: ArrayLike,
-    start_indices: Sequence[Index],
-    *,
-    mode: str | None = None,
-) -> Any:
-    """Overwrite a window: `lax.dynamic_update_slice(x, update, start_indices)`.
-
-    **Arguments:**
-
-    - `x`: a JAX array, a [`eqx_shiftbuf.ShiftBuffer`][], or an Equinox loop buffer.
-    - `update`: the new contents of the window; same rank and dtype as `x`, and no
-      larger along any dimension.
-    - `start_indices`: one integer scalar per dimension of `x`.
-    - `mode`: as for [`eqx_shiftbuf.dynamic_slice`][]: `"promise_in_bounds"` skips
-      the run-time index check.
-
-    **Returns:**
-
-    The updated buffer, of the same kind as `x`.
-    """
-    if _is_write_once(x):
-        return x.dynamic_update_slice(update, start_indices, mode=mode)
-    storage, _, _ = _storage_and_axis(x, None, None, "dynamic_update_slice")
+def checked_update(
+    shape: tuple[int, ...],
+    dtype: Any,
+    update: Any,
+    start_indices: Any,
+    mode: str | None,
+    error: Any,
+) -> tuple[jax.Array, list[jax.Array], Any]:
+    """`(update, starts, error)`: a `dynamic_update_slice`'s arguments, checked."""
     upd = jnp.asarray(update)
-    if upd.ndim != storage.ndim:
+    if upd.ndim != len(shape):
         raise ValueError(
-            f"`update` must have the buffer's rank {storage.ndim}; got shape "
-            f"{upd.shape} for a buffer of shape {storage.shape}."
+            f"`update` must have the buffer's rank {len(shape)}; got shape "
+            f"{upd.shape} for a buffer of shape {shape}."
         )
-    for k, (u, n) in enumerate(zip(upd.shape, storage.shape)):
+    for k, (u, n) in enumerate(zip(upd.shape, shape)):
         if u > n:
             raise ValueError(
                 f"`update` of shape {upd.shape} is larger than the buffer of shape "
-                f"{storage.shape} along dimension {k}."
+                f"{shape} along dimension {k}."
             )
-    upd = check_value(upd, upd.shape, storage.dtype, "update", "the window")
+    upd = check_value(upd, upd.shape, dtype, "update", "the window")
     starts, error = check_starts(
         start_indices,
-        storage.shape,
+        shape,
         upd.shape,
         "start_indices",
         mode,
         op="dynamic_update_slice",
-        error=_error_of(x),
+        error=error,
         defer=True,
     )
-    if _EqxBuffer and isinstance(x, _EqxBuffer):
-        return x.at[_eqx_window_index(starts, upd.shape)].set(upd)
-    new_storage, _, tok = P.bind_swap(storage, _token_of(x), upd, starts, read=False)
-    return _rebuild(x, new_storage, error, tok)
+    return upd, starts, error
 
 
-def insert(
-    x: BufferLike,
-    index: IndexTuple,
-    value: ArrayLike,
-    *,
-    axis: int | None = None,
-    mode: str | None = None,
-) -> Any:
-    """Insert `value` at `index`, shifting the rest of the line along `axis` right.
-
-    Along the line `x[index[:-1]]`, positions `col..n-2` move to `col+1..n-1` (where
-    `col = index[-1]` and `n = x.shape[axis]`), the element at `n-1` is dropped, and
-    `value` is written at `col`.
-
-    **Arguments:**
-
-    - `x`: a JAX array or a [`eqx_shiftbuf.ShiftBuffer`][]. (Not an Equinox loop
-      buffer: those are write-once, and a shift rewrites what it reads.)
-    - `index`: a tuple of integer scalars, one per dimension up to and including
-      `axis` (a bare scalar when `axis` is 0).
-    - `value`: an array of shape `x.shape[axis+1:]` (a scalar when `axis` is the last).
-    - `axis`: the shift axis; a `ShiftBuffer` uses its own. Default `-1`.
-    - `mode`: as for [`eqx_shiftbuf.dynamic_slice`][]: `"promise_in_bounds"` skips
-      the run-time index check.
-
-    **Returns:**
-
-    The buffer after the insert, of the same kind as `x`.
-    """
-    _refuse_eqx_shift(x, "insert")
-    storage, ax, _ = _storage_and_axis(x, axis, None, "insert")
-    idx, error = check_index(
-        index, storage.shape, ax, mode, op="insert", error=_error_of(x), defer=True
+def update_window(
+    b: Leaves, update: Any, start_indices: Any, mode: str | None
+) -> Leaves:
+    """The leaves after `storage[start : start + update.shape] = update`."""
+    upd, starts, error = checked_update(
+        b.storage.shape, b.storage.dtype, update, start_indices, mode, b.error
     )
-    vshape = storage.shape[ax + 1 :]
-    val = check_value(value, vshape, storage.dtype, "value", f"x.shape[{ax}+1:]")
-    new_storage, tok = P.bind_insert(storage, _token_of(x), val, idx, ax)
-    return _rebuild(x, new_storage, error, tok)
+    storage, _, tok = P.bind_swap(b.storage, b.token, upd, starts, read=False)
+    return Leaves(storage, error, tok)
 
 
-def pop(
-    x: BufferLike,
-    index: IndexTuple,
-    *,
-    axis: int | None = None,
-    fill: Any = None,
-    mode: str | None = None,
-) -> tuple[Any, Array]:
-    """Remove the element at `index`, shift the rest of the line left, and return it.
+def insert_at(b: Leaves, index: Any, value: Any, axis: int, mode: str | None) -> Leaves:
+    """The leaves after inserting `value` at `index`, shifting right along `axis`."""
+    shape = b.storage.shape
+    idx, error = check_index(
+        index, shape, axis, mode, op="insert", error=b.error, defer=True
+    )
+    vshape = shape[axis + 1 :]
+    val = check_value(value, vshape, b.storage.dtype, "value", f"x.shape[{axis}+1:]")
+    storage, tok = P.bind_insert(b.storage, b.token, val, idx, axis)
+    return Leaves(storage, error, tok)
 
-    Along the line `x[index[:-1]]`, positions `col+1..n-1` move to `col..n-2` and
-    position `n-1` gets `fill`.
 
-    **Arguments:**
+def pop_at(
+    b: Leaves, index: Any, axis: int, fill: Any, mode: str | None, read: bool
+) -> tuple[Leaves, jax.Array]:
+    """`(leaves, removed)` after removing the element at `index` along `axis`,
+    shifting left and filling the end with `fill`.
 
-    - `x`: a JAX array or a [`eqx_shiftbuf.ShiftBuffer`][]. (Not an Equinox loop
-      buffer: those are write-once, and a shift rewrites what it reads.)
-    - `index`: a tuple of integer scalars, one per dimension up to and including
-      `axis`.
-    - `axis`: the shift axis; a `ShiftBuffer` uses its own. Default `-1`.
-    - `fill`: the value shifted in at the end of the line. Default: the
-      `ShiftBuffer`'s `fill`, or 0.
-    - `mode`: as for [`eqx_shiftbuf.dynamic_slice`][]: `"promise_in_bounds"` skips
-      the run-time index check.
-
-    **Returns:**
-
-    `(buffer, removed)`: the buffer after the removal, of the same kind as `x`, and
-    the removed element, of shape `x.shape[axis+1:]`.
+    A `delete` (`read=False`) defers its index check to the record; a `pop` reads,
+    so it raises at once, together with any error an earlier edit recorded.
     """
-    return _pop(x, index, axis, fill, mode, read=True)
-
-
-def delete(
-    x: BufferLike,
-    index: IndexTuple,
-    *,
-    axis: int | None = None,
-    fill: Any = None,
-    mode: str | None = None,
-) -> Any:
-    """Remove the element at `index` and shift the rest of the line left.
-
-    The same as [`eqx_shiftbuf.pop`][] without the removed element.
-
-    **Arguments:** as for [`eqx_shiftbuf.pop`][].
-
-    **Returns:**
-
-    The buffer after the removal, of the same kind as `x`.
-    """
-    return _pop(x, index, axis, fill, mode, read=False)[0]
-
-
-def _pop(x, index, axis, fill, mode, read: bool):
-    """The shared body of `pop` and `delete`: `(new buffer, removed)`.
-
-    A `delete` of a `ShiftBuffer` defers its index check; a `pop` reads, so it
-    raises at once, together with any error an earlier edit recorded.
-    """
-    _refuse_eqx_shift(x, "pop/delete")
-    storage, ax, fill = _storage_and_axis(x, axis, fill, "pop" if read else "delete")
-    fill = _check_fill(fill, storage.dtype)
+    fill = check_fill(fill, b.storage.dtype)
     idx, error = check_index(
         index,
-        storage.shape,
-        ax,
+        b.storage.shape,
+        axis,
         mode,
         op="pop" if read else "delete",
-        error=_error_of(x),
+        error=b.error,
         defer=not read,
     )
-    new_storage, removed, tok = P.bind_pop(
-        storage, _token_of(x), idx, ax, fill, read=read
-    )
-    return _rebuild(x, new_storage, error, tok), removed
+    storage, removed, tok = P.bind_pop(b.storage, b.token, idx, axis, fill, read=read)
+    return Leaves(storage, error, tok), removed
 
 
-def _check_fill(fill: Any, dtype: Any) -> Any:
+def check_fill(fill: Any, dtype: Any) -> Any:
+    """`fill` as a Python scalar the buffer's `dtype` can hold."""
     if isinstance(fill, (jax.Array, np.ndarray)) or isinstance(fill, Tracer):
         raise TypeError(
             f"`fill` must be a Python scalar (it is part of the operation, not an "

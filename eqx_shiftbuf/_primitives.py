@@ -14,11 +14,11 @@ they come in transpose pairs, so reverse mode never leaves the family:
 **Which accesses are loops.** XLA updates a loop-carried buffer in place only when
 every other reader of the old buffer is ordered before the write *by data
 dependence*; it duplicates cheap reads into their consumers, fuses a read with the
-write before it into a read of the older buffer, and hoists reads out of loops
-(DESIGN.md rules 2-5, `mixed7.py`). A `while` loop whose trip count is 1 at run time
-but not provable at compile time (a static trip count of 1 is simplified away:
-`looptx.py`) is a wall none of that crosses, but on XLA:CPU each one costs about as
-much as a small edit. So:
+write before it into a read of the older buffer, and hoists reads out of loops. A
+`while` loop whose trip count is 1 at run time but not provable at compile time (a
+static trip count of 1 is simplified away) is a wall none of that crosses, but on
+XLA:CPU each one costs about as much as a small edit. The tricks used against these
+behaviours are in `_xla.py`, each with the test that pins it. So:
 
 - *Reads* (`read_p`, and the read half of `pop_p` and of `swap_p` when it returns
   the old window) produce one materialised value. `read_p` returns a *token* (a
@@ -26,16 +26,16 @@ much as a small edit. So:
   next access adds to one of its indices, so that access depends on the read (see
   "Binding helpers" for how tokens are threaded, through values only). Unbatched,
   the value is a reduction: a masked `max` over the window and its neighbour along
-  a dimension it is 1 wide in (`_window_by_reduce`; a pop reduces its line and
-  its neighbour, `_window2_edit`), which XLA materialises once instead of
+  a dimension it is 1 wide in (`window_by_reduce`; a pop reduces its line and
+  its neighbour, `window2_edit`), which XLA materialises once instead of
   duplicating it into its consumers. Otherwise
   (batched, complex, or no such dimension) the reads run in their own loop.
 - *Writes* run straight-line, the same operations plain `lax` code would use, with
   the pending token added to an index they really use (`_free_dim`).
 - *Every unbatched write spans two elements of each dimension of the buffer that
   has two*: a shift reads and writes a *2-line window*, its line and a neighbour
-  (`_window2_edit`), and an accumulation or overwrite a window widened to 2 where
-  it is 1 wide (`_widened_write`), taking only its own elements from the new
+  (`window2_edit`), and an accumulation or overwrite a window widened to 2 where
+  it is 1 wide (`widened_write`), taking only its own elements from the new
   values. XLA:CPU duplicates a write whose update has fewer non-unit dimensions
   than the buffer (it counts as "effectively unary") into the next read of the
   buffer, turning that read into a read of the older buffer, unordered with
@@ -60,8 +60,9 @@ instead of adding two full-size cotangents.
 **Batching.** Every index operand has the same shape `S` (the "batch" shape, `()`
 when unbatched); an operand holding values has shape `S + value_shape`. The loop runs
 over the `prod(S)` elements in order, one window operation each, so `vmap` keeps the
-batch inside one buffer (`vmaploop2.py`) instead of turning window ops into
-gather/scatter over the whole buffer (`vmaploop.py`). The batching rule moves the
+batch inside one buffer instead of turning window ops into gather/scatter over the
+whole buffer (which copies it: 2 copies forward, 4 under grad, for a vmapped
+insert built from `custom_vjp`s). The batching rule moves the
 storage's batch axis to the front and adds the batch position as a leading index.
 """
 
@@ -69,7 +70,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -78,23 +78,19 @@ from jax.core import ShapedArray
 from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 
+from ._xla import (
+    from_carrier,
+    loop_not_unrolled,
+    opaque_zero,
+    to_carrier,
+    widened_write,
+    window2_edit,
+    window_by_reduce,
+)
+
 
 # ---------------------------------------------------------------------------
 # Helpers shared by the lowerings.
-
-
-def opaque_zero(x: Any) -> jax.Array:
-    """An int32 zero computed from `x` that XLA cannot constant-fold.
-
-    `x > inf` is false for every float, NaN included, so this is zero at run time
-    whatever the data; XLA does not reason about it, so it stays a run-time value.
-    """
-    x = jnp.asarray(x)
-    first = x.reshape(-1)[0] if x.size > 0 else jnp.zeros((), jnp.float32)
-    if jnp.issubdtype(first.dtype, jnp.complexfloating):
-        first = jnp.real(first)
-    first = lax.convert_element_type(first, jnp.float32)
-    return (first > jnp.inf).astype(jnp.int32)
 
 
 TOKEN_DTYPE = jnp.float32
@@ -120,15 +116,8 @@ def _read_token(tok, value) -> jax.Array:
 
 
 def _loop(tok, size: int, body: Callable, state):
-    """Run `body(j, state)` for `j` in `range(size)` in a loop XLA can't unroll.
-
-    `state`'s first leaf is the storage. Its first element adds a run-time zero to
-    the trip count: `tok` may be a constant (a buffer's first access), and XLA
-    removes a loop whose trip count it knows to be 1.
-    """
-    anchor = jax.tree.leaves(state)[0]
-    n = jnp.int32(size) + _index_zero(tok) + opaque_zero(anchor.reshape(-1)[:1])
-    return lax.fori_loop(jnp.int32(0), n, body, state)
+    """`loop_not_unrolled`, also waiting for `tok`."""
+    return loop_not_unrolled(_index_zero(tok), size, body, state)
 
 
 def _touches_nothing(size: int, shape: Sequence[int]) -> bool:
@@ -200,50 +189,6 @@ def _line_start(idx: Sequence[jax.Array], ndim: int) -> list:
     return list(idx[:-1]) + [zero] * (ndim - len(idx) + 1)
 
 
-# `_NO_WRAP`: the straight-line reads and writes of unbatched accesses slice with
-# `allow_negative_indices=False`. Their indices are checked (or promised) to be in
-# range, and lax's wrapping of a negative start is a scalar `select` that XLA:CPU
-# often materialises as a kernel of its own, shared by a read and the write after
-# it (one more kernel per access, every step). A broken promise then gets XLA's
-# clamp of the start into range, with a negative start clamped to 0.
-
-
-def _widened_write(s, st, sizes, new_window):
-    """`s` with the window `s[st : st + sizes]` replaced by `new_window(window)`,
-    through a window 2 wide in every dimension where `sizes` is 1 and `s` is not.
-
-    XLA:CPU duplicates a write whose update has fewer non-unit dimensions than the
-    buffer into the next read of the buffer, turning that read into a read of the
-    older buffer, unordered with respect to the write: the write then copies (as for
-    the shifts, `_window2_edit`). `new_window` is applied elementwise to the wide
-    window, and only the window's own elements are taken from it.
-    """
-    shape = s.shape
-    starts, wide, offs = [], [], []
-    for i, n, m in zip(st, sizes, shape, strict=True):
-        if n == 1 and m >= 2:
-            i0 = jnp.minimum(i, m - 2)
-            starts.append(i0)
-            wide.append(2)
-            offs.append(jnp.minimum(i - i0, 1))  # clamped, as lax clamps
-        else:
-            starts.append(i)
-            wide.append(n)
-            offs.append(None)
-    if tuple(wide) == tuple(sizes):
-        old = lax.dynamic_slice(s, starts, sizes)
-        return lax.dynamic_update_slice(s, new_window(old).astype(s.dtype), starts)
-    big = lax.dynamic_slice(s, starts, wide, allow_negative_indices=False)  # _NO_WRAP
-    mask = None
-    for d, k in enumerate(offs):
-        if k is not None:
-            m_d = lax.broadcasted_iota(k.dtype, tuple(wide), d) == k
-            mask = m_d if mask is None else mask & m_d
-    assert mask is not None  # some dimension was widened
-    new = jnp.where(mask, new_window(big).astype(s.dtype), big)
-    return lax.dynamic_update_slice(s, new, starts, allow_negative_indices=False)
-
-
 def _line_sizes(shape: tuple[int, ...], axis: int) -> tuple[int, ...]:
     return (1,) * axis + tuple(shape[axis:])
 
@@ -255,106 +200,13 @@ def _line_sizes(shape: tuple[int, ...], axis: int) -> tuple[int, ...]:
 # storage dimension.
 
 
-def _bits_dtype(dtype) -> Any:
-    """The unsigned integer dtype of the same width as `dtype`."""
-    dtype = jnp.dtype(dtype)
-    if jnp.issubdtype(dtype, jnp.unsignedinteger):
-        return dtype
-    info = jnp.iinfo(dtype) if jnp.issubdtype(dtype, jnp.integer) else jnp.finfo(dtype)
-    return jnp.dtype(f"uint{info.bits}")
-
-
-def carrier(dtype) -> Any:
-    """The dtype to move values of `dtype` through, exactly, when an operation
-    selects or writes them: the unsigned integer of the same width for bfloat16 and
-    the float8 and float4 dtypes, `dtype` itself otherwise.
-
-    XLA:CPU has no arithmetic for those dtypes, and computes every fused operation
-    on them, even a `select` or a `dynamic_update_slice`, in float32, converting
-    there and back: the way back quiets signalling NaNs and drops NaN payloads (of
-    the patterns of every element a `dynamic_update_slice` rewrites). Integers move
-    exactly. The other dtypes XLA:CPU moves exactly as they are.
-    """
-    dtype = jnp.dtype(dtype)
-    narrow = dtype == jnp.bfloat16 or dtype.itemsize == 1
-    return (
-        _bits_dtype(dtype) if jnp.issubdtype(dtype, jnp.floating) and narrow else dtype
-    )
-
-
-def to_carrier(x: jax.Array) -> jax.Array:
-    """`x` as its `carrier` dtype (the same bits; `x` itself if that is its dtype)."""
-    c = carrier(x.dtype)
-    return x if c == x.dtype else lax.bitcast_convert_type(x, c)
-
-
-def from_carrier(x: jax.Array, dtype) -> jax.Array:
-    """The values of `dtype` whose `carrier` bits `x` holds."""
-    return x if x.dtype == dtype else lax.bitcast_convert_type(x, dtype)
-
-
-def _pick_by_max(pair, k, d: int, keepdims: bool = False):
-    """`(element, reduced)`: element `k` (0 or 1) of `pair` along `d`, where `pair`
-    is 2 wide, read as a `max` with the other element masked to zero, over the bit
-    patterns; `reduced` is the reduction's own result (those bits).
-
-    Exact for every value of every real or bool dtype. Not a `max` of the values
-    with the other element masked to `-inf`: the float8 dtypes without infinities
-    turn `-inf` into NaN, which then wins, and XLA:CPU computes bfloat16 and the
-    float8 dtypes in float32, flushing subnormals and quieting NaNs. The bits, as
-    the unsigned integer of the same width, are all at least the masked 0.
-
-    XLA materialises a reduction once instead of duplicating it into its consumers
-    (see `_window_by_reduce`).
-    """
-    pos = lax.broadcasted_iota(k.dtype, pair.shape, d)
-    keep = pos == k
-    if pair.dtype == jnp.bool_:  # False is the lowest bool: no bits needed
-        out = jnp.max(jnp.where(keep, pair, False), axis=d, keepdims=keepdims)
-        return out, out
-    ubits = _bits_dtype(pair.dtype)
-    bits = jnp.where(keep, lax.bitcast_convert_type(pair, ubits), jnp.zeros((), ubits))
-    bits = jnp.max(bits, axis=d, keepdims=keepdims)
-    return lax.bitcast_convert_type(bits, pair.dtype), bits
-
-
 def _pair_dim(sizes: Sequence[int], shape: Sequence[int]) -> int | None:
     """The first dimension a window of `sizes` is 1 wide in and the buffer is not."""
     return next((d for d, n in enumerate(sizes) if n == 1 and shape[d] >= 2), None)
 
 
-def _window_by_reduce(s, st, sizes, d: int):
-    """`(window, reduced)`: `s[st : st + sizes]`, read as a `max` over the window
-    and its neighbour along `d` (a dimension it is 1 wide in), the neighbour masked
-    out (`_pick_by_max`): exact for every value of every real or bool dtype.
-    `reduced` is the reduction's own result, to take the read's token from.
-
-    A plain dynamic slice is cheap, so XLA duplicates it into each of its
-    consumers, where it reads the storage unordered with respect to the next write:
-    a copy. A reduction is materialised once, and its consumers (the next access,
-    through the token) read its result. Reducing along a 2-wide dimension keeps it
-    one kernel: XLA:CPU splits a reduction over more than 32 elements into two.
-
-    The token is taken from `reduced`, not from the window bitcast back from it,
-    so that the reduction has two users, the window and the token, as a reduction
-    of the values had. With the bitcast as its only user, XLA fused the computation
-    of the storage (a sum of cotangents) into the reduction as well as computing it
-    for the write, so that the reduction read that sum's operands, unordered with
-    respect to the write: a copy per step in the `kv_cache_attention` body's
-    gradient (`tests/test_corpus.py`).
-    """
-    st = list(st)
-    i0 = jnp.minimum(st[d], s.shape[d] - 2)
-    k = jnp.minimum(st[d] - i0, 1)  # an index past the end is clamped, as in lax
-    st[d] = i0
-    wide = list(sizes)
-    wide[d] = 2
-    pair = lax.dynamic_slice(s, st, wide, allow_negative_indices=False)  # _NO_WRAP
-    return _pick_by_max(pair, k, d, keepdims=True)
-
-
 def _reduce_read(storage, size: int, sizes: Sequence[int]) -> int | None:
-    """The dimension to read a window of `sizes` through with `_window_by_reduce`,
+    """The dimension to read a window of `sizes` through with `window_by_reduce`,
     if it can be: unbatched, a real or bool dtype, and a dimension to pair on."""
     if size != 1 or jnp.issubdtype(storage.dtype, jnp.complexfloating):
         return None
@@ -368,7 +220,7 @@ def _read_impl(storage, tok, *starts, sizes):
         return storage, out, tok
     d = _reduce_read(storage, size, sizes)
     if d is not None:
-        window, bits = _window_by_reduce(storage, _element(starts, 0), sizes, d)
+        window, bits = window_by_reduce(storage, _element(starts, 0), sizes, d)
         out = window.reshape(bshape + tuple(sizes))
         # The token is made from the reduction's integer result, not from the
         # window: a zero made from the window is a second use of the converted
@@ -427,8 +279,8 @@ def _accum_impl(storage, tok, window, *starts, ordered):
     def body(j, s, starts):
         st = _element(starts, j)
         w = _take(window, j)
-        if size == 1:  # no loop read first: see `_widened_write`
-            return _widened_write(s, st, w.shape, lambda old: old + w)
+        if size == 1:  # no loop read first: see `widened_write`
+            return widened_write(s, st, w.shape, lambda old: old + w)
         old = lax.dynamic_slice(s, st, w.shape) if olds is None else _take(olds, j)
         return lax.dynamic_update_slice(s, old + w, st)
 
@@ -450,7 +302,7 @@ def _swap_impl(storage, tok, update, *starts, read):
         # Read the old windows (`_read_impl`), then write, with the write depending
         # on the read's token: the read is then ordered before the write by data
         # dependence. Reading and writing in one loop body leaves the read unordered
-        # and XLA copies the buffer (the pop case of `mixed.py`).
+        # and XLA copies the buffer (the pop of the `mixed` corpus body).
         storage, old, tok = _read_impl(storage, tok, *starts, sizes=update.shape[1:])
     else:  # a plain dynamic_update_slice: the old windows are not wanted
         old = jnp.zeros(bshape + update.shape[1:], update.dtype)
@@ -458,7 +310,7 @@ def _swap_impl(storage, tok, update, *starts, read):
     def body(j, s, starts):
         u = _take(update, j)
         if size == 1:
-            return _widened_write(s, _element(starts, j), u.shape, lambda old: u)
+            return widened_write(s, _element(starts, j), u.shape, lambda old: u)
         return lax.dynamic_update_slice(s, u, _element(starts, j))
 
     at = _free_dim(update.shape[1:], storage.shape)
@@ -476,7 +328,7 @@ def _swap_abstract(storage, tok, update, *starts, read):
 # Operands: (storage, tok, value?, *index); `index` has `axis + 1` entries, the last
 # being the position along the shift axis. Each operation reads the whole line,
 # shifts it with `roll` + `where`, and writes it back in one `dynamic_update_slice`
-# (a single window read feeding a single window write: DESIGN.md rule 3).
+# (a single window read feeding a single window write, which XLA does in place).
 
 
 def _read_line(s, idx, axis):
@@ -513,49 +365,8 @@ def _shift_left(line, col, fill):
     )
 
 
-def _window2_edit(s, ix, axis, new_line, line=None, *, reduce_line=False):
-    """Rewrite the line `s[ix[:-1]]` through a window of it and a neighbouring line.
-
-    Returns `(storage, line)`, `line` as read. An ordered shift without a loop.
-    XLA:CPU duplicates a write whose update is a single line (it counts as
-    "effectively unary") into the next read of the storage, turning that read into
-    a read of the older storage, unordered with respect to the write: the write
-    copies. A write of two lines is not duplicated
-    (`benchmarks/experiments/window2_shift.py`).
-
-    With `reduce_line`, the line is read as a masked `max` over the window (as in
-    `_window_by_reduce`), which XLA materialises once: a pop then indexes its
-    removed element out of that value, ordered before the write by data alone and
-    without a kernel of its own. (Indexed out of a plain slice, the element is
-    duplicated into its consumers as a read of the storage: two copies per step in
-    the two-insert gradient.)
-    """
-    d = axis - 1
-    n = s.shape[d]
-    r = ix[d]
-    r0 = jnp.minimum(r, n - 2)
-    k = jnp.minimum(r - r0, 1)  # an index past the end is clamped, as in lax
-    start = list(ix[:-1]) + [jnp.zeros_like(ix[-1])] * (s.ndim - axis)
-    start[d] = r0
-    sizes = (1,) * d + (2,) + tuple(s.shape[axis:])
-    # Without lax's wrapping of negative starts (see `_NO_WRAP`).
-    win = lax.dynamic_slice(s, start, sizes, allow_negative_indices=False)
-    win = win.reshape((2,) + tuple(s.shape[axis:]))
-    if reduce_line:
-        line, _ = _pick_by_max(win, k, 0)
-    elif line is None:
-        line = lax.dynamic_index_in_dim(win, k, 0, keepdims=False)
-    new = new_line(jnp.int32(0), line, ix[-1]).astype(s.dtype)
-    which = lax.broadcasted_iota(k.dtype, win.shape, 0)
-    win = jnp.where(which == k, new[None], win)
-    s = lax.dynamic_update_slice(
-        s, win.reshape(sizes), start, allow_negative_indices=False
-    )
-    return s, line
-
-
 def _windowed(storage, size: int, axis: int) -> bool:
-    """Whether a shift edits its line through a 2-line window (`_window2_edit`):
+    """Whether a shift edits its line through a 2-line window (`window2_edit`):
     unbatched, with a line before the shift axis to pair it with."""
     return size == 1 and axis >= 1 and storage.shape[axis - 1] >= 2
 
@@ -566,7 +377,7 @@ def _shift(storage, tok, idx, axis, new_line, ordered, want_lines=False):
     Returns `(storage, lines)`, with the lines as read when `ordered`, else `None`.
 
     Unbatched, on a buffer with at least two lines, each line is edited through a
-    2-line window (`_window2_edit`), straight-line. Otherwise: `ordered=False`
+    2-line window (`window2_edit`), straight-line. Otherwise: `ordered=False`
     reads, shifts and writes each line straight-line, the same operations as plain
     `lax` code; `ordered=True` first reads the lines in their own loop (needed when
     `storage` comes straight from another straight-line write, see the module
@@ -576,7 +387,7 @@ def _shift(storage, tok, idx, axis, new_line, ordered, want_lines=False):
     lines = None
     window = _windowed(storage, size, axis)
     if window and not want_lines:
-        body = lambda j, s, idx: _window2_edit(s, _element(idx, j), axis, new_line)[0]
+        body = lambda j, s, idx: window2_edit(s, _element(idx, j), axis, new_line)[0]
         return _write(tok, size, body, storage, idx), None
     if ordered:
         starts = list(idx[:-1]) + [jnp.zeros_like(idx[-1])] * (storage.ndim - axis)
@@ -589,7 +400,7 @@ def _shift(storage, tok, idx, axis, new_line, ordered, want_lines=False):
         if lines is None:
             start, line = _read_line(s, ix, axis)
         elif window:
-            return _window2_edit(s, ix, axis, new_line, _take(lines, j))[0]
+            return window2_edit(s, ix, axis, new_line, _take(lines, j))[0]
         else:
             start, line = _line_start(ix, s.ndim), _take(lines, j)
         return _write_line(s, start, new_line(j, line, ix[-1]), axis)
@@ -611,7 +422,7 @@ def _insert_abstract(storage, tok, value, *idx, axis, ordered):
 
 
 def _reduce_readable(storage, size: int, axis: int) -> bool:
-    """Whether a pop can read its line through a reduction (`_window2_edit`'s
+    """Whether a pop can read its line through a reduction (`window2_edit`'s
     `reduce_line`): a shift through a 2-line window, of a real or bool dtype."""
     return _windowed(storage, size, axis) and not jnp.issubdtype(
         storage.dtype, jnp.complexfloating
@@ -633,21 +444,22 @@ def _pop_edit(storage, tok, idx, axis, fill, read, ordered):
         return storage, jnp.zeros(bshape + storage.shape[axis + 1 :], storage.dtype)
     if _reduce_readable(storage, size, axis):
         # Read the line through a reduction, straight-line, take the removed
-        # element out of it, and shift (see `_window2_edit`). This holds after
+        # element out of it, and shift (see `window2_edit`). This holds after
         # another straight-line write too (`ordered`), since every unbatched write
-        # spans two elements of each non-unit dimension (`_window2_edit`,
-        # `_widened_write`) and so is not fused into the read.
+        # spans two elements of each non-unit dimension (`window2_edit`,
+        # `widened_write`) and so is not fused into the read.
         def body(j, state, idx):
             ix = _element(idx, j)
-            s, line = _window2_edit(state[0], ix, axis, new_line, reduce_line=True)
+            s, line = window2_edit(state[0], ix, axis, new_line, reduce_line=True)
             return s, lax.dynamic_index_in_dim(line, ix[-1], 0, keepdims=False)
 
         vshape = storage.shape[axis + 1 :]
         state = (storage, jnp.zeros(vshape, storage.dtype))
         storage, removed = _write(tok, size, body, state, idx)
         return storage, removed.reshape(bshape + vshape)
-    # Otherwise the removed elements are read before the write (DESIGN.md rule 2)
-    # from materialised lines: an ordered shift, its reads in a loop.
+    # Otherwise the removed elements are read before the write (in place only if
+    # ordered before it by data) from materialised lines: an ordered shift, its
+    # reads in a loop.
     storage, lines = _shift(storage, tok, idx, axis, new_line, True, True)
     cols = jnp.broadcast_to(idx[-1], bshape).reshape(size)
     removed = jax.vmap(lambda line, c: lax.dynamic_index_in_dim(line, c, 0, False))(

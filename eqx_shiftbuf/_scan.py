@@ -43,9 +43,9 @@ from jax._src.interpreters import partial_eval as pe
 from jax.extend.core import ClosedJaxpr, jaxpr_as_fun, Primitive
 from jax.interpreters import ad, batching, mlir
 
-from ._primitives import from_carrier, opaque_zero, to_carrier
 from ._schedule import schedule
 from ._writeonce import BUFFER, NORMAL, wrap, WriteOnceBuffer
+from ._xla import after
 
 
 # ---------------------------------------------------------------------------
@@ -141,8 +141,8 @@ def _store(slot, snaps, stored):
 
     One `cond` per store: XLA drops a store the reverse pass never reads (a buffer
     that the steps only shift and overwrite), but it kept one written by the same
-    conditional as a `ShiftBuffer`'s error record: the insert-then-delete gradient
-    with `checkpoints="all"` took 100 ms, not 1.3.
+    conditional as a `ShiftBuffer`'s error record, and so stored the whole buffer
+    every step (the insert-then-delete gradient with `checkpoints="all"`).
     """
     return [
         lax.cond(slot >= 0, lambda s, c: s.at[slot].set(c), lambda s, c: s, si, ci)
@@ -889,62 +889,12 @@ def scan(
             length=length,
             unroll=unroll,
         )
-        out = [_after(o, tok) if o.size else o for o in out]
+        out = [after(o, tok) if o.size else o for o in out]
     carry, ys = out[:num_carry], out[num_carry:]
     if reverse:
         ys = [jnp.flip(y, 0) for y in ys]
     carry = jtu.tree_unflatten(init_tree, carry)
     return unwrap(carry), jtu.tree_unflatten(y_tree, ys)
-
-
-@jax.custom_jvp
-def _after(storage: jax.Array, checked: jax.Array) -> jax.Array:
-    """`storage`, data-dependent on `checked` (a record that is 0 if the program goes
-    on), at the cost of rewriting a few elements in place: each output of a checked
-    scan waits so for the replay's checks (`_replay`), which are otherwise dead.
-
-    Not `error_if(storage, ...)`: a conditional's result is a new buffer, so that
-    copies the whole storage, every step when `.array` is read inside a loop
-    (measured: 1 copy per step of the cache body at 1600 rows). Not a
-    `lax.optimization_barrier((storage, checked))` either: XLA drops a barrier's
-    unused output and with it the (pure) check. Writing back the first elements,
-    selected on `checked`, is an in-place write XLA cannot simplify away.
-    """
-    # The window spans 2 positions of every dimension that has them: XLA:CPU
-    # duplicates a write whose update has a lower "true rank" (ignoring unit
-    # dimensions) than the buffer, a single element say, into the next read of the
-    # buffer, which then reads the older buffer, unordered with this write: a copy
-    # (the `mixed` corpus body). The same reason as `_primitives._window2_edit`.
-    # The start is a run-time zero, not the constant 0: XLA turns a constant-index
-    # read into a static `slice`, and a fusion that writes its operand in place may
-    # read that operand only through a `dynamic-slice` at the write's own indices.
-    # Otherwise the fusion is not in place and rewrites the whole buffer, every
-    # step, with no `copy` instruction to show it (`dynamic_update_slice` body
-    # forward: 40 ms against 0.2 ms). Not a zero made from `checked` alone: when
-    # no edit records errors (`promise_in_bounds` edits only), XLA proves the
-    # record is 0 and folds it. The corner's `max` is data XLA cannot fold, and a
-    # reduction is materialised on its own rather than fused into the write.
-    # The elements are rewritten as their bits where XLA:CPU would not write them
-    # exactly (`_primitives.carrier`): the outputs keep every bit.
-    dtype = storage.dtype
-    storage = to_carrier(storage)
-    sizes = tuple(min(2, n) for n in storage.shape)
-    corner = lax.slice(storage, (0,) * storage.ndim, sizes)
-    if jnp.issubdtype(corner.dtype, jnp.complexfloating):
-        corner = jnp.real(corner)
-    zero = opaque_zero(jnp.max(corner)) + opaque_zero(checked)
-    first = (zero,) * storage.ndim
-    win = lax.dynamic_slice(storage, first, sizes)
-    win = jnp.where(checked != 0, jnp.zeros_like(win), win)
-    return from_carrier(lax.dynamic_update_slice(storage, win, first), dtype)
-
-
-@_after.defjvp
-def _after_jvp(primals, tangents):
-    # The tangent is the storage's own: the write is an identity wherever the
-    # program goes on, so nothing is added to the tangent (or transposed) program.
-    storage, checked = primals
-    return _after(storage, checked), tangents[0]
 
 
 def _is_wob(x: Any) -> bool:

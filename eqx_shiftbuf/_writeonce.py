@@ -161,9 +161,30 @@ class WriteOnceBuffer(eqx.Module):
         replay = _Writes(w.when, w.when, jnp.int32(0), jnp.int32(REPLAY))
         return WriteOnceBuffer(self._array, replay)
 
-    def dynamic_slice(self, start_indices: Any, slice_sizes: Any, **kwargs) -> Array:
+    def read(
+        self,
+        start_indices: Any = None,
+        slice_sizes: Any = None,
+        *,
+        mode: str | None = None,
+    ) -> tuple["WriteOnceBuffer", Array]:
+        """Read a window (or, with no arguments, the contents): `(self, window)`.
+        See [`eqx_shiftbuf.read`][]."""
+        if (start_indices is None) != (slice_sizes is None):
+            raise TypeError(
+                "esb.read: give both `start_indices` and `slice_sizes` (a window), "
+                "or neither (the whole contents)."
+            )
+        if start_indices is None:
+            return self, self.array
+        return self, self.dynamic_slice(start_indices, slice_sizes, mode=mode)
+
+    def dynamic_slice(
+        self, start_indices: Any, slice_sizes: Any, *, mode: str | None = None
+    ) -> Array:
         """Read a window. See [`eqx_shiftbuf.dynamic_slice`][]."""
-        out = _ops.dynamic_slice(self._array, start_indices, slice_sizes, **kwargs)
+        b = _ops.array_leaves(self._array)
+        out = _ops.read_window(b, start_indices, slice_sizes, mode)[1]
         w = self._writes
         if w is None:
             return out
@@ -178,7 +199,12 @@ class WriteOnceBuffer(eqx.Module):
         )
 
     def dynamic_update_slice(
-        self, update: ArrayLike, start_indices: Any, pred: Any = True, **kwargs
+        self,
+        update: ArrayLike,
+        start_indices: Any,
+        pred: Any = True,
+        *,
+        mode: str | None = None,
     ) -> "WriteOnceBuffer":
         """Overwrite a window (where `pred` holds). See
         [`eqx_shiftbuf.dynamic_update_slice`][]."""
@@ -186,7 +212,9 @@ class WriteOnceBuffer(eqx.Module):
         if pred is not True:
             # Equinox's `pred=`: write only where `pred` holds. Reading the window
             # first feeds the write of the same window, which stays in place.
-            old = _ops.dynamic_slice(self._array, start_indices, update.shape, **kwargs)
+            # A plain read: not one the checked mode records.
+            b = _ops.array_leaves(self._array)
+            old = _ops.read_window(b, start_indices, update.shape, mode)[1]
             update = jnp.where(pred, update, old)
         w = self._writes
         if w is not None:
@@ -206,7 +234,8 @@ class WriteOnceBuffer(eqx.Module):
             )
             when = lax.dynamic_update_slice(w.when, window, starts)
             w = _Writes(when, w.final, w.count + 1, w.phase)
-        array = _ops.dynamic_update_slice(self._array, update, start_indices, **kwargs)
+        b = _ops.array_leaves(self._array)
+        array = _ops.update_window(b, update, start_indices, mode).storage
         return WriteOnceBuffer(array, w)
 
     def __getitem__(self, index: Any) -> Array:

@@ -1,4 +1,4 @@
-"""The NumPy reference model of every buffer operation (DESIGN.md, "Semantics")."""
+"""The NumPy reference model of every buffer operation (the semantics the README states)."""
 
 from __future__ import annotations
 

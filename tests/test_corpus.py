@@ -1,4 +1,4 @@
-"""The in-place corpus (DESIGN.md): every body, under forward, grad, jvp and
+"""The in-place corpus (`tests/corpus.py`): every body, under forward, grad, jvp and
 vmap(grad), has no per-iteration copy of a buffer-sized array, and gives the values
 and gradients of the same body written with plain `lax` ops."""
 
@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 import eqx_shiftbuf as esb
-from eqx_shiftbuf import corpus
+
+from . import corpus
 
 
 ROWS, COLS, STEPS, BATCH = 64, 512, 8, 3

@@ -14,7 +14,9 @@ import pytest
 from jax import lax
 
 import eqx_shiftbuf as esb
-from eqx_shiftbuf import _inspect, corpus
+from eqx_shiftbuf import _inspect
+
+from . import corpus
 
 
 ROWS, COLS, STEPS, K = 64, 512, 8, 16
@@ -153,7 +155,7 @@ jax.tree_util.register_pytree_node(
 
 def test_plain_lax_insert_copies_under_grad():
     # The control: without the library, the same insert step copies the buffer on
-    # every iteration of the compiled gradient (DESIGN.md's table), so the zero
+    # every iteration of the compiled gradient, so the zero
     # counts above are a property of the library, not of the test.
     p, init, xs = _inputs()
     plain = _PlainBuffer(init.array)

@@ -1,5 +1,5 @@
 """`esb.scan(..., buffers=...)` against `equinox.internal.scan`, and the Equinox
-failure cases (../shared/research/equinox-loops.md) passing under `esb.scan`."""
+buffer cases that fail or copy there passing under `esb.scan`."""
 
 from __future__ import annotations
 
@@ -546,7 +546,7 @@ def _loop_buffer_work(fn, args, shape: str) -> list[str]:
 def test_reverse_pass_reads_cost_a_window_not_the_buffer():
     # Equinox transposes a buffer read into zeros of the buffer's size, a window
     # update and a full-size add, on every backward step (O(buffer) per step,
-    # quadratic in the length: ../shared/research/equinox-loops.md, 2.6); compiled,
+    # quadratic in the length); compiled,
     # it copies the buffer every step. Here the compiled reverse pass accumulates the
     # window's cotangent in place: no buffer-sized work in the loop.
     def loss(scan):

@@ -1,14 +1,14 @@
 """The in-place corpus: the scan step bodies every "in place" claim is checked on.
 
-DESIGN.md lists them: insert; delete; pop returning the value; dynamic_update_slice
+The design's list: insert; delete; pop returning the value; dynamic_update_slice
 from parameters; read a slice, multiply by a parameter, write the result elsewhere;
 insert then delete; two and three inserts; a stack of feature vectors with push and
 pop; a cache written at a moving position and read by attention over the whole
 cache; and a mixed step (insert, read, pop, insert a value built from both).
 
 Each body is written once against a small set of buffer operations (`Ops`), with
-two implementations: [`ESB`][eqx_shiftbuf.corpus.ESB] (a `ShiftBuffer` carry and
-this library's operations) and [`PLAIN`][eqx_shiftbuf.corpus.PLAIN] (a plain array
+two implementations: `ESB` (a `ShiftBuffer` carry and
+this library's operations) and `PLAIN` (a plain array
 carry and the natural `lax` code: whole-line `dynamic_slice`, `roll`/`where`,
 `dynamic_update_slice`). The two give the same values and, under autodiff, the same
 gradients; the tests check that, and count copies in both.
@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from ._buffer import ShiftBuffer
+from eqx_shiftbuf import ShiftBuffer
 
 
 K = 16  # window width of the slice bodies
@@ -233,7 +233,7 @@ def kv_cache_attention(ops, b, x, p):
 
 
 def mixed(ops, b, x, p):
-    # DESIGN.md rule 5: insert, read a window, compute, pop, insert a value built
+    # Insert, read a window, compute, pop, insert a value built
     # from the read and the popped value.
     cols = ops.shape(b)[1]
     b = ops.insert(b, (x["r"][0], x["c"][0]), jnp.sin(p["s"] * x["v"]))

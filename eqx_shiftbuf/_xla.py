@@ -1,0 +1,358 @@
+"""Every way this library works around XLA, in one place.
+
+The buffer primitives (`_primitives.py`) are written with the same `lax` operations
+plain JAX code would use; what keeps their loops in place, and their reads exact, is
+a handful of tricks against particular XLA behaviours. Each is a function here, and
+its docstring says what XLA does without it and which test fails if it goes:
+
+| workaround | without it, XLA... |
+|---|---|
+| `opaque_zero` | folds a constant zero, so an index or trip count orders nothing |
+| `loop_not_unrolled` | removes a 1-trip loop and reorders what it kept apart |
+| `NO_WRAP` | materialises lax's negative-start wrap as a kernel per access |
+| `widened_write` | duplicates a lower-rank write into the next read: a copy |
+| `window2_edit` | the same, for a shift's single-line write |
+| `pick_by_max` / `window_by_reduce` | duplicates a cheap slice into each consumer, unordered with the next write: a copy; a masked max of the values is not exact |
+| `carrier` | computes bfloat16/float8 selects and writes in float32: NaN payloads and subnormals change |
+| `keep_alive` | removes a check whose result only zero-size values use |
+| `check_on_the_side` | copies the buffer through the check's conditional every step |
+| `after` | removes a check no output depends on |
+
+These behaviours were measured on XLA:CPU with jaxlib 0.10.x (the pinned range in
+`pyproject.toml`); the tests named in each docstring are what tells if a new XLA
+changes them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+from equinox.internal import unvmap_any
+from jax import lax
+
+
+def opaque_zero(x: Any) -> jax.Array:
+    """An int32 zero computed from `x` that XLA cannot constant-fold.
+
+    `x > inf` is false for every float, NaN included, so this is zero at run time
+    whatever the data; XLA does not reason about it, so it stays a run-time value.
+
+    Without it: a token or index offset XLA can prove is zero is folded away, and
+    with it the data dependence that orders a read before the next write (a copy).
+    Pinned by `tests/test_exact_reads.py::test_the_ordering_token_is_zero_for_every_value`
+    (zero for every value) and `tests/test_corpus.py::test_no_per_iteration_copies`.
+    """
+    x = jnp.asarray(x)
+    first = x.reshape(-1)[0] if x.size > 0 else jnp.zeros((), jnp.float32)
+    if jnp.issubdtype(first.dtype, jnp.complexfloating):
+        first = jnp.real(first)
+    first = lax.convert_element_type(first, jnp.float32)
+    return (first > jnp.inf).astype(jnp.int32)
+
+
+def loop_not_unrolled(zero, size: int, body: Callable, state):
+    """Run `body(j, state)` for `j` in `range(size)` in a loop XLA can't unroll.
+
+    `state`'s first leaf is the storage; its first element, and `zero` (an int32
+    zero from the access's token, which may be a constant for a buffer's first
+    access), are added to the trip count as run-time zeros.
+
+    Without it: XLA removes a loop whose trip count it knows to be 1, and then
+    fuses, duplicates and reorders the reads and writes the loop kept apart (a
+    batched access of one element then copies). Pinned by
+    `tests/test_in_place.py::test_batched_insert_pop_has_no_per_iteration_copies`.
+    """
+    anchor = jax.tree.leaves(state)[0]
+    n = jnp.int32(size) + zero + opaque_zero(anchor.reshape(-1)[:1])
+    return lax.fori_loop(jnp.int32(0), n, body, state)
+
+
+# `NO_WRAP` is the `allow_negative_indices` of the straight-line reads and writes
+# of unbatched accesses. Their indices are checked (or promised) to be in range,
+# and lax's wrapping of a negative start is a scalar `select` that XLA:CPU often
+# materialises as a kernel of its own, shared by a read and the write after it (one
+# more kernel per access, every step). A broken promise then gets XLA's clamp of
+# the start into range, with a negative start clamped to 0. This costs time, not
+# copies: `benchmarks/corpus.py` shows it in the forward ratios.
+NO_WRAP = False
+
+
+def widened_write(s, st, sizes, new_window):
+    """`s` with the window `s[st : st + sizes]` replaced by `new_window(window)`,
+    through a window 2 wide in every dimension where `sizes` is 1 and `s` is not.
+
+    XLA:CPU duplicates a write whose update has fewer non-unit dimensions than the
+    buffer into the next read of the buffer, turning that read into a read of the
+    older buffer, unordered with respect to the write: the write then copies (as for
+    the shifts, `window2_edit`). `new_window` is applied elementwise to the wide
+    window, and only the window's own elements are taken from it.
+
+    Pinned by `tests/test_corpus.py::test_no_per_iteration_copies` on the `mixed`
+    and `dynamic_update_slice` bodies (an accumulation followed by a pop copied
+    twice per step under grad without it).
+    """
+    shape = s.shape
+    starts, wide, offs = [], [], []
+    for i, n, m in zip(st, sizes, shape, strict=True):
+        if n == 1 and m >= 2:
+            i0 = jnp.minimum(i, m - 2)
+            starts.append(i0)
+            wide.append(2)
+            offs.append(jnp.minimum(i - i0, 1))  # clamped, as lax clamps
+        else:
+            starts.append(i)
+            wide.append(n)
+            offs.append(None)
+    if tuple(wide) == tuple(sizes):
+        old = lax.dynamic_slice(s, starts, sizes)
+        return lax.dynamic_update_slice(s, new_window(old).astype(s.dtype), starts)
+    big = lax.dynamic_slice(s, starts, wide, allow_negative_indices=NO_WRAP)
+    mask = None
+    for d, k in enumerate(offs):
+        if k is not None:
+            m_d = lax.broadcasted_iota(k.dtype, tuple(wide), d) == k
+            mask = m_d if mask is None else mask & m_d
+    assert mask is not None  # some dimension was widened
+    new = jnp.where(mask, new_window(big).astype(s.dtype), big)
+    return lax.dynamic_update_slice(s, new, starts, allow_negative_indices=NO_WRAP)
+
+
+def bits_dtype(dtype) -> Any:
+    """The unsigned integer dtype of the same width as `dtype`."""
+    dtype = jnp.dtype(dtype)
+    if jnp.issubdtype(dtype, jnp.unsignedinteger):
+        return dtype
+    info = jnp.iinfo(dtype) if jnp.issubdtype(dtype, jnp.integer) else jnp.finfo(dtype)
+    return jnp.dtype(f"uint{info.bits}")
+
+
+def carrier(dtype) -> Any:
+    """The dtype to move values of `dtype` through, exactly, when an operation
+    selects or writes them: the unsigned integer of the same width for bfloat16 and
+    the float8 and float4 dtypes, `dtype` itself otherwise.
+
+    XLA:CPU has no arithmetic for those dtypes, and computes every fused operation
+    on them, even a `select` or a `dynamic_update_slice`, in float32, converting
+    there and back: the way back quiets signalling NaNs and drops NaN payloads (of
+    the patterns of every element a `dynamic_update_slice` rewrites). Integers move
+    exactly. The other dtypes XLA:CPU moves exactly as they are.
+
+    Pinned by `tests/test_exact_reads.py` (every dtype, NaN payloads, subnormals).
+    """
+    dtype = jnp.dtype(dtype)
+    narrow = dtype == jnp.bfloat16 or dtype.itemsize == 1
+    return (
+        bits_dtype(dtype) if jnp.issubdtype(dtype, jnp.floating) and narrow else dtype
+    )
+
+
+def to_carrier(x: jax.Array) -> jax.Array:
+    """`x` as its `carrier` dtype (the same bits; `x` itself if that is its dtype)."""
+    c = carrier(x.dtype)
+    return x if c == x.dtype else lax.bitcast_convert_type(x, c)
+
+
+def from_carrier(x: jax.Array, dtype) -> jax.Array:
+    """The values of `dtype` whose `carrier` bits `x` holds."""
+    return x if x.dtype == dtype else lax.bitcast_convert_type(x, dtype)
+
+
+def pick_by_max(pair, k, d: int, keepdims: bool = False):
+    """`(element, reduced)`: element `k` (0 or 1) of `pair` along `d`, where `pair`
+    is 2 wide, read as a `max` with the other element masked to zero, over the bit
+    patterns; `reduced` is the reduction's own result (those bits).
+
+    Exact for every value of every real or bool dtype. Not a `max` of the values
+    with the other element masked to `-inf`: the float8 dtypes without infinities
+    turn `-inf` into NaN, which then wins, and XLA:CPU computes bfloat16 and the
+    float8 dtypes in float32, flushing subnormals and quieting NaNs. The bits, as
+    the unsigned integer of the same width, are all at least the masked 0.
+
+    XLA materialises a reduction once instead of duplicating it into its consumers
+    (see `window_by_reduce`). Pinned by `tests/test_exact_reads.py`.
+    """
+    pos = lax.broadcasted_iota(k.dtype, pair.shape, d)
+    keep = pos == k
+    if pair.dtype == jnp.bool_:  # False is the lowest bool: no bits needed
+        out = jnp.max(jnp.where(keep, pair, False), axis=d, keepdims=keepdims)
+        return out, out
+    ubits = bits_dtype(pair.dtype)
+    bits = jnp.where(keep, lax.bitcast_convert_type(pair, ubits), jnp.zeros((), ubits))
+    bits = jnp.max(bits, axis=d, keepdims=keepdims)
+    return lax.bitcast_convert_type(bits, pair.dtype), bits
+
+
+def window_by_reduce(s, st, sizes, d: int):
+    """`(window, reduced)`: `s[st : st + sizes]`, read as a `max` over the window
+    and its neighbour along `d` (a dimension it is 1 wide in), the neighbour masked
+    out (`pick_by_max`): exact for every value of every real or bool dtype.
+    `reduced` is the reduction's own result, to take the read's token from.
+
+    A plain dynamic slice is cheap, so XLA duplicates it into each of its
+    consumers, where it reads the storage unordered with respect to the next write:
+    a copy. A reduction is materialised once, and its consumers (the next access,
+    through the token) read its result. Reducing along a 2-wide dimension keeps it
+    one kernel: XLA:CPU splits a reduction over more than 32 elements into two.
+
+    The token is taken from `reduced`, not from the window bitcast back from it,
+    so that the reduction has two users, the window and the token, as a reduction
+    of the values had. With the bitcast as its only user, XLA fused the computation
+    of the storage (a sum of cotangents) into the reduction as well as computing it
+    for the write, so that the reduction read that sum's operands, unordered with
+    respect to the write: a copy per step in the `kv_cache_attention` body's
+    gradient.
+
+    Pinned by `tests/test_corpus.py::test_no_per_iteration_copies` and
+    `tests/test_in_place.py::test_reads_need_no_inner_loop`.
+    """
+    st = list(st)
+    i0 = jnp.minimum(st[d], s.shape[d] - 2)
+    k = jnp.minimum(st[d] - i0, 1)  # an index past the end is clamped, as in lax
+    st[d] = i0
+    wide = list(sizes)
+    wide[d] = 2
+    pair = lax.dynamic_slice(s, st, wide, allow_negative_indices=NO_WRAP)
+    return pick_by_max(pair, k, d, keepdims=True)
+
+
+def window2_edit(s, ix, axis, new_line, line=None, *, reduce_line=False):
+    """Rewrite the line `s[ix[:-1]]` through a window of it and a neighbouring line.
+
+    Returns `(storage, line)`, `line` as read. An ordered shift without a loop.
+    XLA:CPU duplicates a write whose update is a single line (it counts as
+    "effectively unary") into the next read of the storage, turning that read into
+    a read of the older storage, unordered with respect to the write: the write
+    copies. A write of two lines is not duplicated
+    (`benchmarks/experiments/window2_shift.py` compares the lowerings).
+
+    With `reduce_line`, the line is read as a masked `max` over the window (as in
+    `window_by_reduce`), which XLA materialises once: a pop then indexes its
+    removed element out of that value, ordered before the write by data alone and
+    without a kernel of its own. (Indexed out of a plain slice, the element is
+    duplicated into its consumers as a read of the storage: two copies per step in
+    the two-insert gradient.)
+
+    Pinned by `tests/test_corpus.py::test_no_per_iteration_copies` on the
+    `two_inserts`, `three_inserts` and `pop` bodies.
+    """
+    d = axis - 1
+    n = s.shape[d]
+    r = ix[d]
+    r0 = jnp.minimum(r, n - 2)
+    k = jnp.minimum(r - r0, 1)  # an index past the end is clamped, as in lax
+    start = list(ix[:-1]) + [jnp.zeros_like(ix[-1])] * (s.ndim - axis)
+    start[d] = r0
+    sizes = (1,) * d + (2,) + tuple(s.shape[axis:])
+    win = lax.dynamic_slice(s, start, sizes, allow_negative_indices=NO_WRAP)
+    win = win.reshape((2,) + tuple(s.shape[axis:]))
+    if reduce_line:
+        line, _ = pick_by_max(win, k, 0)
+    elif line is None:
+        line = lax.dynamic_index_in_dim(win, k, 0, keepdims=False)
+    new = new_line(jnp.int32(0), line, ix[-1]).astype(s.dtype)
+    which = lax.broadcasted_iota(k.dtype, win.shape, 0)
+    win = jnp.where(which == k, new[None], win)
+    s = lax.dynamic_update_slice(
+        s, win.reshape(sizes), start, allow_negative_indices=NO_WRAP
+    )
+    return s, line
+
+
+def _nothing(*_: Any) -> None:
+    pass
+
+
+def keep_alive(checked: jax.Array) -> None:
+    """Make sure the check that computed `checked` runs, though no result uses it.
+
+    An access that touches no element (a zero-size window, or any access of a
+    zero-size buffer) has zero-size results only, and XLA replaces every zero-size
+    value by a constant: the indices that carry the check then have no use, and
+    the check (an `equinox.error_if`, a pure callback) is removed as dead code. A
+    `jax.debug.callback` is an effect, never removed, so the check it takes as an
+    operand runs. It costs a host callback per call, for accesses that do nothing.
+
+    Pinned by `tests/test_zero_size.py::test_traced_index_out_of_range_raises_when_the_program_runs`.
+    """
+    jax.debug.callback(_nothing, checked)
+
+
+def check_on_the_side(error, pred, index, msgs) -> None:
+    """Raise the error `error` records, through `equinox.branched_error_if`, with
+    nothing depending on the check: the contents are returned as they are.
+
+    A check whose result is not used is dead code to JAX and XLA (Equinox's check
+    is a pure callback in a conditional). So the check runs inside a conditional
+    that also makes an effectful (never dead) callback, taken only when `pred`
+    holds: in "raise" mode the check raises first, the program stops and returns
+    nothing, so no value of the bad buffer is ever seen. The contents need no data
+    dependence on the check, so neither a copy nor a write of the storage: a
+    conditional's result is a new buffer (`error_if(storage, ...)` copies the whole
+    buffer every step when `.array` is read inside a loop), and writing a corner of
+    the storage to make it depend on the check is an in-place write that the next
+    edit of the buffer, or returning it from the step, then copies.
+
+    Pinned by `tests/test_corpus.py::test_no_per_iteration_copies` on the
+    `kv_cache_attention` body (which reads the whole cache every step) and by the
+    tests of `tests/test_errors.py` that a recorded error is raised.
+    """
+
+    def check():
+        jax.debug.callback(_nothing, eqx.branched_error_if(error, pred, index, msgs))
+
+    lax.cond(unvmap_any(pred), check, lambda: None)
+
+
+@jax.custom_jvp
+def after(storage: jax.Array, checked: jax.Array) -> jax.Array:
+    """`storage`, data-dependent on `checked` (a record that is 0 if the program goes
+    on), at the cost of rewriting a few elements in place: each output of a checked
+    scan waits so for the replay's checks (`_replay`), which are otherwise dead.
+
+    Used once per checked scan, after its loop. Not `error_if(storage, ...)`: a
+    conditional's result is a new buffer, so that copies the whole storage. Not a
+    `lax.optimization_barrier((storage, checked))` either: XLA drops a barrier's
+    unused output and with it the (pure) check. Writing back the first elements,
+    selected on `checked`, is an in-place write XLA cannot simplify away.
+
+    Pinned by the `checked_mode` tests of `tests/test_scan_buffers.py`.
+    """
+    # The window spans 2 positions of every dimension that has them: XLA:CPU
+    # duplicates a write whose update has a lower "true rank" (ignoring unit
+    # dimensions) than the buffer, a single element say, into the next read of the
+    # buffer, which then reads the older buffer, unordered with this write: a copy
+    # (the `mixed` corpus body). The same reason as `window2_edit`.
+    # The start is a run-time zero, not the constant 0: XLA turns a constant-index
+    # read into a static `slice`, and a fusion that writes its operand in place may
+    # read that operand only through a `dynamic-slice` at the write's own indices.
+    # Otherwise the fusion is not in place and rewrites the whole buffer, every
+    # step, with no `copy` instruction to show it (the detector reports such a
+    # fusion as an out-of-place write). Not a zero made from `checked` alone: when
+    # no edit records errors (`promise_in_bounds` edits only), XLA proves the
+    # record is 0 and folds it. The corner's `max` is data XLA cannot fold, and a
+    # reduction is materialised on its own rather than fused into the write.
+    # The elements are rewritten as their bits where XLA:CPU would not write them
+    # exactly (`carrier`): the outputs keep every bit.
+    dtype = storage.dtype
+    storage = to_carrier(storage)
+    sizes = tuple(min(2, n) for n in storage.shape)
+    corner = lax.slice(storage, (0,) * storage.ndim, sizes)
+    if jnp.issubdtype(corner.dtype, jnp.complexfloating):
+        corner = jnp.real(corner)
+    zero = opaque_zero(jnp.max(corner)) + opaque_zero(checked)
+    first = (zero,) * storage.ndim
+    win = lax.dynamic_slice(storage, first, sizes)
+    win = jnp.where(checked != 0, jnp.zeros_like(win), win)
+    return from_carrier(lax.dynamic_update_slice(storage, win, first), dtype)
+
+
+@after.defjvp
+def _after_jvp(primals, tangents):
+    # The tangent is the storage's own: the write is an identity wherever the
+    # program goes on, so nothing is added to the tangent (or transposed) program.
+    storage, checked = primals
+    return after(storage, checked), tangents[0]
