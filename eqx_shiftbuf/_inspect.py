@@ -8,6 +8,7 @@ import re
 from collections.abc import Callable
 from typing import Any
 
+import equinox as eqx
 import jax
 
 
@@ -315,9 +316,65 @@ def loop_copies_in_hlo(hlo: str, min_bytes: int = 1 << 16) -> list[LoopCopy]:
     return out
 
 
-def _compiled_text(fn: Callable, args, kwargs) -> str:
-    jitted: Any = fn if hasattr(fn, "lower") else jax.jit(fn)
-    return str(jitted.lower(*args, **kwargs).compile().as_text())
+def _traced(x: Any) -> bool:
+    # What `eqx.filter_jit` traces (arrays), plus the abstract stand-ins that
+    # `jax.jit(...).lower` accepts in their place.
+    return eqx.is_array(x) or isinstance(x, jax.ShapeDtypeStruct)
+
+
+def _jit_traceable(x: Any) -> bool:
+    # What `jax.jit` traces: arrays and Python scalars (as weakly typed arrays).
+    return eqx.is_array_like(x) or isinstance(x, jax.ShapeDtypeStruct)
+
+
+def _is_leaf(x: Any) -> bool:
+    return jax.tree_util.treedef_is_leaf(jax.tree_util.tree_structure(x))
+
+
+def _compiled_text(fn: Callable, args: tuple, kwargs: dict) -> str:
+    """The optimised HLO of `fn(*args, **kwargs)`, compiled as the user would run it.
+
+    A `jax.jit` object is lowered as it is, so that its own `static_argnums`,
+    donation and shardings hold. Anything else is called inside a `jax.jit` of a
+    closure. Which arguments that closure traces follows what could run them:
+
+    - a plain function whose arguments `jax.jit` accepts (arrays, Python scalars,
+      `jax.ShapeDtypeStruct`s) is traced as `jax.jit(fn)` would trace it, as
+      before Equinox support (a Python scalar is a traced, weakly typed array);
+    - a function that is itself a pytree (an Equinox module or wrapper:
+      `eqx.filter_jit`, `eqx.filter_grad`, `eqx.filter_value_and_grad`, a model,
+      a `jax.tree_util.Partial`), or arguments holding leaves `jax.jit` rejects
+      (an `eqx.nn.MLP`'s activation function, a string field), are split as
+      `eqx.filter_jit` splits them: arrays (and `jax.ShapeDtypeStruct`s) are
+      traced, every other leaf is a compile-time constant. The function's own
+      array leaves are traced too, not baked in as constants that XLA could fold.
+
+    An `eqx.filter_jit` wrapper is not unwrapped nor lowered through its own
+    `.lower` (whose `Compiled` has no `as_text`): calling it inside `jax.jit` traces
+    it as a nested jit, which XLA inlines, and relies only on its public call. Its
+    donation does not apply then, which only changes copies outside the loops. The
+    static leaves need not be hashable: the closure is built per call.
+    """
+    if isinstance(fn, jax.stages.Wrapped) and _is_leaf(fn):
+        lowered = fn.lower(*args, **kwargs)
+    else:
+        as_jax_jit = _is_leaf(fn) and all(
+            _jit_traceable(x) for x in jax.tree_util.tree_leaves((args, kwargs))
+        )
+        dynamic, static = eqx.partition(
+            (fn, args, kwargs), _jit_traceable if as_jax_jit else _traced
+        )
+
+        def call(dynamic):
+            f, a, k = eqx.combine(dynamic, static)
+            # Non-array outputs (the `None`s and functions of a module's gradient)
+            # cannot leave a `jax.jit`; they do not change the compiled loops.
+            return eqx.filter(f(*a, **k), eqx.is_array)
+
+        # The name prefixes every op name in the HLO metadata (`jit(<name>)/...`).
+        call.__name__ = call.__qualname__ = getattr(fn, "__name__", type(fn).__name__)
+        lowered = jax.jit(call).lower(dynamic)
+    return str(lowered.compile().as_text())
 
 
 def find_loop_copies(
@@ -337,8 +394,17 @@ def find_loop_copies(
 
     **Arguments:**
 
-    - `fn`: the function, jitted or not (it is wrapped in `jax.jit` if needed).
-    - `*args`, `**kwargs`: what to call it with. Arrays or `jax.ShapeDtypeStruct`s.
+    - `fn`: what you call: a plain function, a `jax.jit` or `eqx.filter_jit` one, an
+      `eqx.filter_grad`/`eqx.filter_value_and_grad` wrapper (with or without an
+      outer `eqx.filter_jit`), or an Equinox module. A `jax.jit` object is compiled
+      as it is (its `static_argnums` hold); anything else inside a `jax.jit`.
+    - `*args`, `**kwargs`: what to call it with: pytrees of arrays or
+      `jax.ShapeDtypeStruct`s, which may hold other leaves (an `eqx.nn.MLP`'s
+      activation, ints, strings). If they do, or if `fn` is an Equinox module or
+      wrapper, they are split as `eqx.filter_jit` splits them: arrays are traced,
+      all else (Python scalars included) is a compile-time constant. Otherwise they
+      are traced as `jax.jit(fn)` traces them (a Python scalar is a traced array).
+      The results may hold non-array leaves too.
     - `min_bytes`: ignore smaller copies (default 64 KiB). Choose it below the size of
       the buffer you care about and above the size of a window.
 
