@@ -50,8 +50,18 @@ class LoopCopy:
     - `shape`: the copied array's shape, as in the HLO (`f32[100,1001]`).
     - `nbytes`: its size in bytes.
     - `op_name`: the JAX op name from the HLO metadata (which primitive, under which
-      transformations), or `""`.
-    - `source`: `file:line` of the Python code that produced it, or `""`.
+      transformations), or `""`. For a copy XLA inserted (it has no metadata of its
+      own), the nearest named op that consumes or produces it, prefixed
+      `"(inserted by XLA for) "`; for a write that is not in place, the write's,
+      prefixed `"(out-of-place write) "`.
+    - `source`: `file:line` of the Python code that produced it (or, for an inserted
+      copy, that produced `op_name`'s op), or `""`.
+    - `loop`: the `while` body computation the copy runs in, once per iteration:
+      `computation` itself, or the innermost loop body that calls it.
+    - `loop_source`: `file:line` of that loop (the `lax.scan`, `lax.fori_loop` or
+      `esb.scan` call), or `""`.
+    - `inserted`: whether XLA inserted the copy: no JAX op produced it directly.
+    - `hint`: the likely cause and what to change, or `""`.
     """
 
     computation: str
@@ -60,14 +70,24 @@ class LoopCopy:
     nbytes: int
     op_name: str
     source: str
+    loop: str = ""
+    loop_source: str = ""
+    inserted: bool = False
+    hint: str = ""
 
     def __str__(self) -> str:
         where = f" at {self.source}" if self.source else ""
         op = f" from {self.op_name}" if self.op_name else ""
         what = "copy" if "out-of-place" not in self.op_name else "rewrite"
+        loop = ""
+        if self.loop and self.loop != self.computation:
+            loop = f" of loop {self.loop!r}"
+        if self.loop_source:
+            loop += f" (the loop at {self.loop_source})"
+        hint = f"\n    hint: {self.hint}" if self.hint else ""
         return (
             f"{what} of {self.shape} ({self.nbytes} bytes) in loop computation "
-            f"{self.computation!r}{op}{where}"
+            f"{self.computation!r}{loop}{op}{where}{hint}"
         )
 
 
@@ -209,7 +229,7 @@ def loop_copies_in_hlo(hlo: str, min_bytes: int = 1 << 16) -> list[LoopCopy]:
     """
     comps = _parse(hlo)
     calls: dict[str, set[str]] = {c: set() for c in comps}
-    bodies: list[str] = []
+    whiles: dict[str, str] = {}  # loop body -> the line of its `while` instruction
     for comp, lines in comps.items():
         for line in lines:
             # Not into fusions: a `copy` inside a fused computation is a layout change
@@ -217,17 +237,22 @@ def loop_copies_in_hlo(hlo: str, min_bytes: int = 1 << 16) -> list[LoopCopy]:
             # output, not a copy of a buffer that XLA had to preserve.
             if not _FUSION.search(line):
                 calls[comp].update(_CALLEE.findall(line))
-            bodies.extend(_BODY.findall(line))
+            for body in _BODY.findall(line):
+                whiles.setdefault(body, line)
             for group in _BRANCHES.findall(line):
                 calls[comp].update(b.strip().lstrip("%") for b in group.split(","))
-    in_loop: set[str] = set()
-    stack = list(bodies)
-    while stack:
-        comp = stack.pop()
-        if comp in in_loop or comp not in comps:
-            continue
-        in_loop.add(comp)
-        stack.extend(calls[comp])
+    # Each computation a loop body calls runs once per iteration of that body: the
+    # innermost loop, since a nested loop's body claims its own computations.
+    loop_of: dict[str, str] = {}
+    for body in whiles:
+        stack, seen = [body], set()
+        while stack:
+            comp = stack.pop()
+            if comp in seen or comp not in comps or (comp != body and comp in whiles):
+                continue
+            seen.add(comp)
+            loop_of.setdefault(comp, body)
+            stack.extend(calls[comp])
     frames = _stack_frames(hlo)
 
     def origin(line: str) -> tuple[str, str]:
@@ -241,13 +266,11 @@ def loop_copies_in_hlo(hlo: str, min_bytes: int = 1 << 16) -> list[LoopCopy]:
 
     out = []
     for comp in comps:
-        if comp not in in_loop:
+        if comp not in loop_of:
             continue
-        instrs = {}
-        for line in comps[comp]:
-            m = _INSTR.match(line)
-            if m:
-                instrs[m.group(1)] = line
+        loop = loop_of[comp]
+        loop_source = origin(whiles[loop])[1]
+        graph = _Graph(comps[comp])
         for line in comps[comp]:
             m = _INSTR.match(line)
             callee = _CALLEE.search(line) if _FUSION.search(line) else None
@@ -264,6 +287,9 @@ def loop_copies_in_hlo(hlo: str, min_bytes: int = 1 << 16) -> list[LoopCopy]:
                         nbytes=nbytes,
                         op_name=f"(out-of-place write) {op_name}",
                         source=source,
+                        loop=loop,
+                        loop_source=loop_source,
+                        hint=_HINT_OUT_OF_PLACE,
                     )
                 )
         for line in comps[comp]:
@@ -275,34 +301,12 @@ def loop_copies_in_hlo(hlo: str, min_bytes: int = 1 << 16) -> list[LoopCopy]:
                 continue
             name = m.group(1)
             op_name, source = origin(line)
-            if not op_name:
-                # Copies that XLA inserts carry no metadata: name the instruction
-                # that consumes the copy (the write that needed it), else its operand.
-                users = [
-                    other
-                    for other, text in instrs.items()
-                    if other != name
-                    and name in _OPERANDS.findall(text.split("=", 1)[1])
-                ]
-                candidates = [origin(instrs[o]) for o in users if o in instrs]
-                candidates += [
-                    origin(instrs[o])
-                    for o in _OPERANDS.findall(m.group(4))
-                    if o in instrs
-                ]
-                # Last: `lax.scan`'s own stacking of per-step outputs, whose cached
-                # trace may even carry the source line of another program.
-                candidates = sorted(
-                    (c for c in candidates if c[0]),
-                    key=lambda c: "index_in_dim" in c[0],
-                )
-                # Prefer the write that needed the copy.
-                writes = [
-                    c for c in candidates if "update_slice" in c[0] or "scatter" in c[0]
-                ]
-                if writes or candidates:
-                    op_name, source = (writes or candidates)[0]
-                    op_name = f"(inserted by XLA for) {op_name}"
+            inserted = not op_name
+            hint = ""
+            if inserted:
+                op_name, source = _nearest_named_op(graph, name, origin)
+                selected = _selected_downstream(graph, name, nbytes, origin)
+                hint = _HINT_SELECT if selected else _HINT_INSERTED
             out.append(
                 LoopCopy(
                     computation=comp,
@@ -311,9 +315,121 @@ def loop_copies_in_hlo(hlo: str, min_bytes: int = 1 << 16) -> list[LoopCopy]:
                     nbytes=nbytes,
                     op_name=op_name,
                     source=source,
+                    loop=loop,
+                    loop_source=loop_source,
+                    inserted=inserted,
+                    hint=hint,
                 )
             )
     return out
+
+
+_HINT_INSERTED = (
+    "XLA inserted this copy; no JAX op produced it directly. It keeps the old value "
+    "of the buffer alive past a write: a read of the buffer (before the write) that "
+    "is used after it, or two edited versions of the buffer selected between "
+    "(a `lax.cond`/`select` on the carry, see DESIGN 'lax.cond', jax#38145: write "
+    "the branch with `jnp.where`)."
+)
+_HINT_SELECT = (
+    "XLA inserted this copy; no JAX op produced it directly. The carried buffer "
+    "goes through a select between two edited versions of it, so each edit works "
+    "on its own copy: a `lax.cond` on the carry (which `vmap` turns into both "
+    "branches and a select) or `jnp.where` between two edited buffers. See DESIGN "
+    "'lax.cond' (jax#38145): select the edit's index and values with `jnp.where` "
+    "and edit the buffer once."
+)
+_HINT_OUT_OF_PLACE = (
+    "this write also reads the buffer outside the written window, so XLA writes "
+    "a whole new buffer each iteration (often a read at constant indices, which XLA "
+    "turns into a static slice: pass the indices as traced arrays)."
+)
+
+
+_SHAPE_OPCODE = re.compile(r"^(.*?)\s*([\w\-]+)\(")
+
+
+class _Graph:
+    """The instructions of one computation, with their operands and users."""
+
+    def __init__(self, lines: list[str]):
+        self.lines: dict[str, str] = {}
+        for line in lines:
+            m = _INSTR.match(line)
+            if m:
+                self.lines[m.group(1)] = line
+        self.operands: dict[str, list[str]] = {}
+        self.users: dict[str, list[str]] = {n: [] for n in self.lines}
+        for name, line in self.lines.items():
+            rhs = line.split("=", 1)[1]
+            # Callee names (`calls=%fused_computation`) are not instructions here.
+            ops = [o for o in _OPERANDS.findall(rhs) if o in self.lines and o != name]
+            self.operands[name] = ops
+            for o in dict.fromkeys(ops):
+                self.users[o].append(name)
+
+    def opcode(self, name: str) -> tuple[str, str]:
+        """`(shape text, opcode)` of an instruction."""
+        rhs = _INSTR.match(self.lines[name])
+        m = _SHAPE_OPCODE.match(rhs.group(2)) if rhs else None
+        return (m.group(1), m.group(2)) if m else ("", "")
+
+
+def _nearest_named_op(
+    graph: _Graph, name: str, origin: Callable[[str], tuple[str, str]]
+) -> tuple[str, str]:
+    """`(op_name, source)` to attribute a copy with no metadata to, or `("", "")`.
+
+    The nearest named instructions that consume the copy (walking users, through
+    unnamed tuples, bitcasts and the like) and that produce its operand (walking
+    operands): the write that needed the copy, preferably.
+    """
+
+    def nearest(step: Callable[[str], list[str]]) -> list[tuple[str, str]]:
+        frontier, seen = [name], {name}
+        while frontier:
+            level = [o for n in frontier for o in step(n) if o not in seen]
+            seen.update(level)
+            named = [origin(graph.lines[o]) for o in dict.fromkeys(level)]
+            named = [c for c in named if c[0]]
+            if named:
+                return named
+            # Not through the loop's parameter: its other elements are other
+            # carried values, unrelated to this one.
+            frontier = [o for o in level if graph.opcode(o)[1] != "parameter"]
+        return []
+
+    candidates = nearest(graph.users.__getitem__) + nearest(graph.operands.__getitem__)
+    # Last: `lax.scan`'s own stacking of per-step outputs, whose cached trace may
+    # even carry the source line of another program.
+    candidates.sort(key=lambda c: "index_in_dim" in c[0])
+    # Prefer the write that needed the copy.
+    writes = [c for c in candidates if "update_slice" in c[0] or "scatter" in c[0]]
+    if not (writes or candidates):
+        return "", ""
+    op_name, source = (writes or candidates)[0]
+    return f"(inserted by XLA for) {op_name}", source
+
+
+def _selected_downstream(
+    graph: _Graph, name: str, nbytes: int, origin: Callable[[str], tuple[str, str]]
+) -> bool:
+    """Whether a copy flows into a select or conditional of a buffer of its size."""
+    stack, seen = [name], {name}
+    while stack:
+        for user in graph.users[stack.pop()]:
+            if user in seen:
+                continue
+            seen.add(user)
+            stack.append(user)
+            shape, opcode = graph.opcode(user)
+            op_name = origin(graph.lines[user])[0]
+            chooses = opcode in ("select", "conditional") or op_name.rsplit("/", 1)[
+                -1
+            ] in ("select_n", "cond")
+            if chooses and _nbytes(shape)[0] == nbytes:
+                return True
+    return False
 
 
 def _traced(x: Any) -> bool:
