@@ -123,6 +123,12 @@ def _stack_frames(hlo: str) -> dict[int, str]:
             if loc:
                 parents[key] = (int(loc.group(1)), int(par.group(1)) if par else 0)
 
+    # The text prints each frame's `parent_frame_id` one above the frame it names
+    # (`k {... parent_frame_id=k}` is frame k-1's child, and a root prints 1), so a
+    # frame seems its own parent. Should a version print it as stored (0 = none),
+    # no frame names itself; read it as is then.
+    offset = 1 if any(par == key for key, (_, par) in parents.items()) else 0
+
     def describe(frame: int) -> str:
         chain = []
         seen = set()
@@ -132,7 +138,7 @@ def _stack_frames(hlo: str) -> dict[int, str]:
             if loc in locations:
                 fid, line = locations[loc]
                 chain.append(f"{files.get(fid, '?')}:{line}")
-            frame = parent
+            frame = parent - offset
         for where in chain:  # innermost first: the first frame outside libraries
             if not any(p in where for p in _LIBRARY_PATHS):
                 return where
