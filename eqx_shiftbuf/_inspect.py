@@ -352,7 +352,11 @@ _HINT_OUT_OF_PLACE = (
 )
 
 
-_SHAPE_OPCODE = re.compile(r"^(.*?)\s*([\w\-]+)\(")
+# The opcode is the first word after a space that opens a parenthesis: not a
+# tiled layout's `T(8,128)`, which follows a colon.
+_SHAPE_OPCODE = re.compile(r"^(.*?)\s([\w\-]+)\(")
+# HLO opcodes and JAX primitives that choose between whole arrays.
+_CHOOSERS = ("select", "conditional", "select_n", "cond")
 
 
 class _Graph:
@@ -429,10 +433,9 @@ def _selected_downstream(
             seen.add(user)
             stack.append(user)
             shape, opcode = graph.opcode(user)
-            op_name = origin(graph.lines[user])[0]
-            chooses = opcode in ("select", "conditional") or op_name.rsplit("/", 1)[
-                -1
-            ] in ("select_n", "cond")
+            # The op itself, or a fusion rooted at one (named after its JAX op).
+            primitive = origin(graph.lines[user])[0].rsplit("/", 1)[-1]
+            chooses = opcode in _CHOOSERS or primitive in _CHOOSERS
             if chooses and _nbytes(shape)[0] == nbytes:
                 return True
     return False
