@@ -8,6 +8,7 @@ import re
 from collections.abc import Callable
 from typing import Any
 
+import equinox as eqx
 import jax
 
 
@@ -49,8 +50,18 @@ class LoopCopy:
     - `shape`: the copied array's shape, as in the HLO (`f32[100,1001]`).
     - `nbytes`: its size in bytes.
     - `op_name`: the JAX op name from the HLO metadata (which primitive, under which
-      transformations), or `""`.
-    - `source`: `file:line` of the Python code that produced it, or `""`.
+      transformations), or `""`. For a copy XLA inserted (it has no metadata of its
+      own), the nearest named op that consumes or produces it, prefixed
+      `"(inserted by XLA for) "`; for a write that is not in place, the write's,
+      prefixed `"(out-of-place write) "`.
+    - `source`: `file:line` of the Python code that produced it (or, for an inserted
+      copy, that produced `op_name`'s op), or `""`.
+    - `loop`: the `while` body computation the copy runs in, once per iteration:
+      `computation` itself, or the innermost loop body that calls it.
+    - `loop_source`: `file:line` of that loop (the `lax.scan`, `lax.fori_loop` or
+      `esb.scan` call), or `""`.
+    - `inserted`: whether XLA inserted the copy: no JAX op produced it directly.
+    - `hint`: the likely cause and what to change, or `""`.
     """
 
     computation: str
@@ -59,14 +70,24 @@ class LoopCopy:
     nbytes: int
     op_name: str
     source: str
+    loop: str = ""
+    loop_source: str = ""
+    inserted: bool = False
+    hint: str = ""
 
     def __str__(self) -> str:
         where = f" at {self.source}" if self.source else ""
         op = f" from {self.op_name}" if self.op_name else ""
         what = "copy" if "out-of-place" not in self.op_name else "rewrite"
+        loop = ""
+        if self.loop and self.loop != self.computation:
+            loop = f" of loop {self.loop!r}"
+        if self.loop_source:
+            loop += f" (the loop at {self.loop_source})"
+        hint = f"\n    hint: {self.hint}" if self.hint else ""
         return (
             f"{what} of {self.shape} ({self.nbytes} bytes) in loop computation "
-            f"{self.computation!r}{op}{where}"
+            f"{self.computation!r}{loop}{op}{where}{hint}"
         )
 
 
@@ -102,6 +123,12 @@ def _stack_frames(hlo: str) -> dict[int, str]:
             if loc:
                 parents[key] = (int(loc.group(1)), int(par.group(1)) if par else 0)
 
+    # The text prints each frame's `parent_frame_id` one above the frame it names
+    # (`k {... parent_frame_id=k}` is frame k-1's child, and a root prints 1), so a
+    # frame seems its own parent. Should a version print it as stored (0 = none),
+    # no frame names itself; read it as is then.
+    offset = 1 if any(par == key for key, (_, par) in parents.items()) else 0
+
     def describe(frame: int) -> str:
         chain = []
         seen = set()
@@ -111,7 +138,7 @@ def _stack_frames(hlo: str) -> dict[int, str]:
             if loc in locations:
                 fid, line = locations[loc]
                 chain.append(f"{files.get(fid, '?')}:{line}")
-            frame = parent
+            frame = parent - offset
         for where in chain:  # innermost first: the first frame outside libraries
             if not any(p in where for p in _LIBRARY_PATHS):
                 return where
@@ -208,7 +235,7 @@ def loop_copies_in_hlo(hlo: str, min_bytes: int = 1 << 16) -> list[LoopCopy]:
     """
     comps = _parse(hlo)
     calls: dict[str, set[str]] = {c: set() for c in comps}
-    bodies: list[str] = []
+    whiles: dict[str, str] = {}  # loop body -> the line of its `while` instruction
     for comp, lines in comps.items():
         for line in lines:
             # Not into fusions: a `copy` inside a fused computation is a layout change
@@ -216,17 +243,22 @@ def loop_copies_in_hlo(hlo: str, min_bytes: int = 1 << 16) -> list[LoopCopy]:
             # output, not a copy of a buffer that XLA had to preserve.
             if not _FUSION.search(line):
                 calls[comp].update(_CALLEE.findall(line))
-            bodies.extend(_BODY.findall(line))
+            for body in _BODY.findall(line):
+                whiles.setdefault(body, line)
             for group in _BRANCHES.findall(line):
                 calls[comp].update(b.strip().lstrip("%") for b in group.split(","))
-    in_loop: set[str] = set()
-    stack = list(bodies)
-    while stack:
-        comp = stack.pop()
-        if comp in in_loop or comp not in comps:
-            continue
-        in_loop.add(comp)
-        stack.extend(calls[comp])
+    # Each computation a loop body calls runs once per iteration of that body: the
+    # innermost loop, since a nested loop's body claims its own computations.
+    loop_of: dict[str, str] = {}
+    for body in whiles:
+        stack, seen = [body], set()
+        while stack:
+            comp = stack.pop()
+            if comp in seen or comp not in comps or (comp != body and comp in whiles):
+                continue
+            seen.add(comp)
+            loop_of.setdefault(comp, body)
+            stack.extend(calls[comp])
     frames = _stack_frames(hlo)
 
     def origin(line: str) -> tuple[str, str]:
@@ -240,13 +272,11 @@ def loop_copies_in_hlo(hlo: str, min_bytes: int = 1 << 16) -> list[LoopCopy]:
 
     out = []
     for comp in comps:
-        if comp not in in_loop:
+        if comp not in loop_of:
             continue
-        instrs = {}
-        for line in comps[comp]:
-            m = _INSTR.match(line)
-            if m:
-                instrs[m.group(1)] = line
+        loop = loop_of[comp]
+        loop_source = origin(whiles[loop])[1]
+        graph = _Graph(comps[comp])
         for line in comps[comp]:
             m = _INSTR.match(line)
             callee = _CALLEE.search(line) if _FUSION.search(line) else None
@@ -263,6 +293,9 @@ def loop_copies_in_hlo(hlo: str, min_bytes: int = 1 << 16) -> list[LoopCopy]:
                         nbytes=nbytes,
                         op_name=f"(out-of-place write) {op_name}",
                         source=source,
+                        loop=loop,
+                        loop_source=loop_source,
+                        hint=_HINT_OUT_OF_PLACE,
                     )
                 )
         for line in comps[comp]:
@@ -274,34 +307,12 @@ def loop_copies_in_hlo(hlo: str, min_bytes: int = 1 << 16) -> list[LoopCopy]:
                 continue
             name = m.group(1)
             op_name, source = origin(line)
-            if not op_name:
-                # Copies that XLA inserts carry no metadata: name the instruction
-                # that consumes the copy (the write that needed it), else its operand.
-                users = [
-                    other
-                    for other, text in instrs.items()
-                    if other != name
-                    and name in _OPERANDS.findall(text.split("=", 1)[1])
-                ]
-                candidates = [origin(instrs[o]) for o in users if o in instrs]
-                candidates += [
-                    origin(instrs[o])
-                    for o in _OPERANDS.findall(m.group(4))
-                    if o in instrs
-                ]
-                # Last: `lax.scan`'s own stacking of per-step outputs, whose cached
-                # trace may even carry the source line of another program.
-                candidates = sorted(
-                    (c for c in candidates if c[0]),
-                    key=lambda c: "index_in_dim" in c[0],
-                )
-                # Prefer the write that needed the copy.
-                writes = [
-                    c for c in candidates if "update_slice" in c[0] or "scatter" in c[0]
-                ]
-                if writes or candidates:
-                    op_name, source = (writes or candidates)[0]
-                    op_name = f"(inserted by XLA for) {op_name}"
+            inserted = not op_name
+            hint = ""
+            if inserted:
+                op_name, source = _nearest_named_op(graph, name, origin)
+                selected = _selected_downstream(graph, name, nbytes, origin)
+                hint = _HINT_SELECT if selected else _HINT_INSERTED
             out.append(
                 LoopCopy(
                     computation=comp,
@@ -310,14 +321,185 @@ def loop_copies_in_hlo(hlo: str, min_bytes: int = 1 << 16) -> list[LoopCopy]:
                     nbytes=nbytes,
                     op_name=op_name,
                     source=source,
+                    loop=loop,
+                    loop_source=loop_source,
+                    inserted=inserted,
+                    hint=hint,
                 )
             )
     return out
 
 
-def _compiled_text(fn: Callable, args, kwargs) -> str:
-    jitted: Any = fn if hasattr(fn, "lower") else jax.jit(fn)
-    return str(jitted.lower(*args, **kwargs).compile().as_text())
+_HINT_INSERTED = (
+    "XLA inserted this copy; no JAX op produced it directly. It keeps the old value "
+    "of the buffer alive past a write: a read of the buffer (before the write) that "
+    "is used after it, or two edited versions of the buffer selected between "
+    "(a `lax.cond`/`select` on the carry, see DESIGN 'lax.cond', jax#38145: write "
+    "the branch with `jnp.where`)."
+)
+_HINT_SELECT = (
+    "XLA inserted this copy; no JAX op produced it directly. The carried buffer "
+    "goes through a select between two edited versions of it, so each edit works "
+    "on its own copy: a `lax.cond` on the carry (which `vmap` turns into both "
+    "branches and a select) or `jnp.where` between two edited buffers. See DESIGN "
+    "'lax.cond' (jax#38145): select the edit's index and values with `jnp.where` "
+    "and edit the buffer once."
+)
+_HINT_OUT_OF_PLACE = (
+    "this write also reads the buffer outside the written window, so XLA writes "
+    "a whole new buffer each iteration (often a read at constant indices, which XLA "
+    "turns into a static slice: pass the indices as traced arrays)."
+)
+
+
+# The opcode is the first word after a space that opens a parenthesis: not a
+# tiled layout's `T(8,128)`, which follows a colon.
+_SHAPE_OPCODE = re.compile(r"^(.*?)\s([\w\-]+)\(")
+# HLO opcodes and JAX primitives that choose between whole arrays.
+_CHOOSERS = ("select", "conditional", "select_n", "cond")
+
+
+class _Graph:
+    """The instructions of one computation, with their operands and users."""
+
+    def __init__(self, lines: list[str]):
+        self.lines: dict[str, str] = {}
+        for line in lines:
+            m = _INSTR.match(line)
+            if m:
+                self.lines[m.group(1)] = line
+        self.operands: dict[str, list[str]] = {}
+        self.users: dict[str, list[str]] = {n: [] for n in self.lines}
+        for name, line in self.lines.items():
+            rhs = line.split("=", 1)[1]
+            # Callee names (`calls=%fused_computation`) are not instructions here.
+            ops = [o for o in _OPERANDS.findall(rhs) if o in self.lines and o != name]
+            self.operands[name] = ops
+            for o in dict.fromkeys(ops):
+                self.users[o].append(name)
+
+    def opcode(self, name: str) -> tuple[str, str]:
+        """`(shape text, opcode)` of an instruction."""
+        rhs = _INSTR.match(self.lines[name])
+        m = _SHAPE_OPCODE.match(rhs.group(2)) if rhs else None
+        return (m.group(1), m.group(2)) if m else ("", "")
+
+
+def _nearest_named_op(
+    graph: _Graph, name: str, origin: Callable[[str], tuple[str, str]]
+) -> tuple[str, str]:
+    """`(op_name, source)` to attribute a copy with no metadata to, or `("", "")`.
+
+    The nearest named instructions that consume the copy (walking users, through
+    unnamed tuples, bitcasts and the like) and that produce its operand (walking
+    operands): the write that needed the copy, preferably.
+    """
+
+    def nearest(step: Callable[[str], list[str]]) -> list[tuple[str, str]]:
+        frontier, seen = [name], {name}
+        while frontier:
+            level = [o for n in frontier for o in step(n) if o not in seen]
+            seen.update(level)
+            named = [origin(graph.lines[o]) for o in dict.fromkeys(level)]
+            named = [c for c in named if c[0]]
+            if named:
+                return named
+            # Not through the loop's parameter: its other elements are other
+            # carried values, unrelated to this one.
+            frontier = [o for o in level if graph.opcode(o)[1] != "parameter"]
+        return []
+
+    candidates = nearest(graph.users.__getitem__) + nearest(graph.operands.__getitem__)
+    # Last: `lax.scan`'s own stacking of per-step outputs, whose cached trace may
+    # even carry the source line of another program.
+    candidates.sort(key=lambda c: "index_in_dim" in c[0])
+    # Prefer the write that needed the copy.
+    writes = [c for c in candidates if "update_slice" in c[0] or "scatter" in c[0]]
+    if not (writes or candidates):
+        return "", ""
+    op_name, source = (writes or candidates)[0]
+    return f"(inserted by XLA for) {op_name}", source
+
+
+def _selected_downstream(
+    graph: _Graph, name: str, nbytes: int, origin: Callable[[str], tuple[str, str]]
+) -> bool:
+    """Whether a copy flows into a select or conditional of a buffer of its size."""
+    stack, seen = [name], {name}
+    while stack:
+        for user in graph.users[stack.pop()]:
+            if user in seen:
+                continue
+            seen.add(user)
+            stack.append(user)
+            shape, opcode = graph.opcode(user)
+            # The op itself, or a fusion rooted at one (named after its JAX op).
+            primitive = origin(graph.lines[user])[0].rsplit("/", 1)[-1]
+            chooses = opcode in _CHOOSERS or primitive in _CHOOSERS
+            if chooses and _nbytes(shape)[0] == nbytes:
+                return True
+    return False
+
+
+def _traced(x: Any) -> bool:
+    # What `eqx.filter_jit` traces (arrays), plus the abstract stand-ins that
+    # `jax.jit(...).lower` accepts in their place.
+    return eqx.is_array(x) or isinstance(x, jax.ShapeDtypeStruct)
+
+
+def _jit_traceable(x: Any) -> bool:
+    # What `jax.jit` traces: arrays and Python scalars (as weakly typed arrays).
+    return eqx.is_array_like(x) or isinstance(x, jax.ShapeDtypeStruct)
+
+
+def _is_leaf(x: Any) -> bool:
+    return jax.tree_util.treedef_is_leaf(jax.tree_util.tree_structure(x))
+
+
+def _compiled_text(fn: Callable, args: tuple, kwargs: dict) -> str:
+    """The optimised HLO of `fn(*args, **kwargs)`, compiled as the user would run it.
+
+    A `jax.jit` object is lowered as it is, so that its own `static_argnums`,
+    donation and shardings hold. Anything else is called inside a `jax.jit` of a
+    closure. Which arguments that closure traces follows what could run them:
+
+    - a plain function whose arguments `jax.jit` accepts (arrays, Python scalars,
+      `jax.ShapeDtypeStruct`s) is traced as `jax.jit(fn)` would trace it, as
+      before Equinox support (a Python scalar is a traced, weakly typed array);
+    - a function that is itself a pytree (an Equinox module or wrapper:
+      `eqx.filter_jit`, `eqx.filter_grad`, `eqx.filter_value_and_grad`, a model,
+      a `jax.tree_util.Partial`), or arguments holding leaves `jax.jit` rejects
+      (an `eqx.nn.MLP`'s activation function, a string field), are split as
+      `eqx.filter_jit` splits them: arrays (and `jax.ShapeDtypeStruct`s) are
+      traced, every other leaf is a compile-time constant. The function's own
+      array leaves are traced too, not baked in as constants that XLA could fold.
+
+    An `eqx.filter_jit` wrapper is not unwrapped nor lowered through its own
+    `.lower` (whose `Compiled` has no `as_text`): calling it inside `jax.jit` traces
+    it as a nested jit, which XLA inlines, and relies only on its public call. Its
+    donation does not apply then, which only changes copies outside the loops. The
+    static leaves need not be hashable: the closure is built per call.
+    """
+    if isinstance(fn, jax.stages.Wrapped) and _is_leaf(fn):
+        lowered = fn.lower(*args, **kwargs)
+    else:
+        as_jax_jit = _is_leaf(fn) and all(
+            _jit_traceable(x) for x in jax.tree_util.tree_leaves((args, kwargs))
+        )
+        dynamic, static = eqx.partition(
+            (fn, args, kwargs), _jit_traceable if as_jax_jit else _traced
+        )
+
+        def call(dynamic):
+            f, a, k = eqx.combine(dynamic, static)
+            # Non-array outputs (the `None`s and functions of a module's gradient)
+            # cannot leave a `jax.jit`; they do not change the compiled loops.
+            return eqx.filter(f(*a, **k), eqx.is_array)
+
+        # The name prefixes every op name in the HLO metadata (`jit(<name>)/...`).
+        call.__name__ = call.__qualname__ = getattr(fn, "__name__", type(fn).__name__)
+        lowered = jax.jit(call).lower(dynamic)
+    return str(lowered.compile().as_text())
 
 
 def find_loop_copies(
@@ -337,8 +519,17 @@ def find_loop_copies(
 
     **Arguments:**
 
-    - `fn`: the function, jitted or not (it is wrapped in `jax.jit` if needed).
-    - `*args`, `**kwargs`: what to call it with. Arrays or `jax.ShapeDtypeStruct`s.
+    - `fn`: what you call: a plain function, a `jax.jit` or `eqx.filter_jit` one, an
+      `eqx.filter_grad`/`eqx.filter_value_and_grad` wrapper (with or without an
+      outer `eqx.filter_jit`), or an Equinox module. A `jax.jit` object is compiled
+      as it is (its `static_argnums` hold); anything else inside a `jax.jit`.
+    - `*args`, `**kwargs`: what to call it with: pytrees of arrays or
+      `jax.ShapeDtypeStruct`s, which may hold other leaves (an `eqx.nn.MLP`'s
+      activation, ints, strings). If they do, or if `fn` is an Equinox module or
+      wrapper, they are split as `eqx.filter_jit` splits them: arrays are traced,
+      all else (Python scalars included) is a compile-time constant. Otherwise they
+      are traced as `jax.jit(fn)` traces them (a Python scalar is a traced array).
+      The results may hold non-array leaves too.
     - `min_bytes`: ignore smaller copies (default 64 KiB). Choose it below the size of
       the buffer you care about and above the size of a window.
 
