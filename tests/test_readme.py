@@ -4,9 +4,14 @@ import pathlib
 import re
 
 
-def test_readme_example_runs_without_loop_copies():
+def _python_blocks() -> list[str]:
+    """The README's python code blocks, in order."""
     text = (pathlib.Path(__file__).parent.parent / "README.md").read_text()
-    blocks = re.findall(r"```python\n(.*?)```", text, re.S)
+    return re.findall(r"```python\n(.*?)```", text, re.S)
+
+
+def test_readme_example_runs_without_loop_copies():
+    blocks = _python_blocks()
     assert blocks, "README has no python example"
     namespace: dict = {}
     exec(compile(blocks[0], "README.md", "exec"), namespace)
@@ -17,8 +22,7 @@ def test_readme_example_runs_without_loop_copies():
 
 
 def test_readme_read_example_runs_without_loop_copies():
-    text = (pathlib.Path(__file__).parent.parent / "README.md").read_text()
-    blocks = re.findall(r"```python\n(.*?)```", text, re.S)
+    blocks = _python_blocks()
     namespace: dict = {}
     exec(compile(blocks[1], "README.md", "exec"), namespace)
     jnp, esb = namespace["jnp"], namespace["esb"]
@@ -29,8 +33,7 @@ def test_readme_read_example_runs_without_loop_copies():
 
 
 def test_readme_scan_example_matches_lax_scan():
-    text = (pathlib.Path(__file__).parent.parent / "README.md").read_text()
-    blocks = re.findall(r"```python\n(.*?)```", text, re.S)
+    blocks = _python_blocks()
     namespace: dict = {}
     exec(compile(blocks[2], "README.md", "exec"), namespace)
     jax, jnp, esb = namespace["jax"], namespace["jnp"], namespace["esb"]
