@@ -583,7 +583,32 @@ def _pop_abstract(storage, tok, *idx, axis, fill, read, ordered):
 # Definitions.
 
 
-def _define(name: str, impl: Callable, abstract: Callable) -> Primitive:
+def _run_time_indices(impl: Callable, n_arrays: int) -> Callable:
+    """`impl` with its index operands (those after the first `n_arrays`) passed
+    through an `optimization_barrier`, so that XLA sees them as run-time values.
+
+    An index that XLA knows to be a constant (a Python int, `jnp.zeros_like(x)`, a
+    token that no access in the loop advances) turns the `dynamic-slice`s of the
+    buffer into static `slice`s; a fusion that writes the buffer with
+    `dynamic-update-slice` and also reads it through a `slice` cannot write it in
+    place, and rewrites all of it every step (`insert((0, 0), v)` then
+    `pop((0, 0))`: 2 whole-buffer rewrites per step forward, 4 in `grad`). The
+    barrier is hoisted out of a loop when its operands are loop-invariant: the
+    indices stay unknown to the loop body, at no cost per step.
+    """
+
+    def lowered(*args, **params):
+        arrays, idx = args[:n_arrays], args[n_arrays:]
+        if idx:
+            idx = lax.optimization_barrier(tuple(idx))
+        return impl(*arrays, *idx, **params)
+
+    return lowered
+
+
+def _define(
+    name: str, impl: Callable, abstract: Callable, n_arrays: int
+) -> Primitive:
     p = Primitive(name)
     p.multiple_results = True
     p.def_impl(
@@ -592,15 +617,17 @@ def _define(name: str, impl: Callable, abstract: Callable) -> Primitive:
         )
     )
     p.def_abstract_eval(abstract)
-    mlir.register_lowering(p, mlir.lower_fun(impl, multiple_results=True))
+    lowered = _run_time_indices(impl, n_arrays)
+    mlir.register_lowering(p, mlir.lower_fun(lowered, multiple_results=True))
     return p
 
 
-read_p = _define("esb_read", _read_impl, _read_abstract)
-accum_p = _define("esb_accum", _accum_impl, _accum_abstract)
-swap_p = _define("esb_swap", _swap_impl, _swap_abstract)
-insert_p = _define("esb_insert", _insert_impl, _insert_abstract)
-pop_p = _define("esb_pop", _pop_impl, _pop_abstract)
+# `n_arrays`: the operands before the indices (storage, token, window/update/value).
+read_p = _define("esb_read", _read_impl, _read_abstract, 2)
+accum_p = _define("esb_accum", _accum_impl, _accum_abstract, 3)
+swap_p = _define("esb_swap", _swap_impl, _swap_abstract, 3)
+insert_p = _define("esb_insert", _insert_impl, _insert_abstract, 3)
+pop_p = _define("esb_pop", _pop_impl, _pop_abstract, 2)
 
 
 # ---------------------------------------------------------------------------
