@@ -323,7 +323,15 @@ def _read_impl(storage, tok, *starts, sizes):
         w = lax.dynamic_slice(s, st, sizes)
         return s, _put(out, j, w)
 
-    out = jnp.zeros((size,) + tuple(sizes), storage.dtype)
+    # The loop's output starts as zeros made from the storage's first element, not
+    # a constant: XLA merges equal constants, and two loops of one step (a read
+    # and its tangent, under `jvp(vmap)`) that start from one broadcast each get
+    # a copy of it, the size of the lines read, every step.
+    zero = jnp.zeros((), storage.dtype)
+    if storage.size > 0:
+        first = storage.reshape(-1)[:1].reshape(())
+        zero = jnp.where(opaque_zero(first) == 0, zero, first)
+    out = jnp.broadcast_to(zero, (size,) + tuple(sizes))
     storage, out = _loop(tok, size, body, (storage, out))
     out = out.reshape(bshape + tuple(sizes))
     return storage, out, _read_token(tok, out)
