@@ -537,6 +537,13 @@ def _insert_abstract(storage, tok, value, *idx, axis, ordered):
     return storage, tok
 
 
+def _one_line(storage, size: int, axis: int) -> bool:
+    """Whether an unbatched shift writes the whole buffer: its line is the whole
+    buffer (a 1-D buffer, a delay line shifted along axis 0, a `(1, n)` buffer),
+    or its 2-line window is (`(2, n)`)."""
+    return size == 1 and math.prod(storage.shape[:axis]) <= 2
+
+
 def _reduce_readable(storage, size: int, axis: int) -> bool:
     """Whether a pop can read its line through a reduction (`_window2_edit`'s
     `reduce_line`): a shift through a 2-line window, of a real or bool dtype."""
@@ -556,7 +563,7 @@ def _pop_edit(storage, tok, idx, axis, fill, read, ordered):
     if not read:  # a delete: the removed elements are not wanted
         storage, _ = _shift(storage, tok, idx, axis, new_line, ordered)
         return storage, jnp.zeros(bshape + storage.shape[axis + 1 :], storage.dtype)
-    if _reduce_readable(storage, size, axis):
+    if _reduce_readable(storage, size, axis) and not _one_line(storage, size, axis):
         # Read the line through a reduction, straight-line, take the removed
         # element out of it, and shift (see `_window2_edit`). This holds after
         # another straight-line write too (`ordered`), since every unbatched write
@@ -571,6 +578,17 @@ def _pop_edit(storage, tok, idx, axis, fill, read, ordered):
         state = (storage, jnp.zeros(vshape, storage.dtype))
         storage, removed = _write(tok, size, body, state, idx)
         return storage, removed.reshape(bshape + vshape)
+    if _one_line(storage, size, axis) and storage.shape[axis] >= 2:
+        # The line is the whole buffer, so its write is not in place whatever
+        # comes before it (the shifted line is a new array, as in plain `lax`):
+        # read only the removed element, through a reduction (`_read_impl`), and
+        # shift after it, waiting on its token. Reading the whole line in a loop
+        # copied it into the loop's state every step (a copy of the buffer).
+        starts = list(idx) + [jnp.zeros_like(idx[-1])] * (storage.ndim - axis - 1)
+        sizes = (1,) * (axis + 1) + tuple(storage.shape[axis + 1 :])
+        storage, removed, tok = _read_impl(storage, tok, *starts, sizes=sizes)
+        storage, _ = _shift(storage, tok, idx, axis, new_line, False)
+        return storage, removed.reshape(bshape + storage.shape[axis + 1 :])
     # Otherwise the removed elements are read before the write (DESIGN.md rule 2)
     # from materialised lines: an ordered shift, its reads in a loop.
     storage, lines = _shift(storage, tok, idx, axis, new_line, True, True)
