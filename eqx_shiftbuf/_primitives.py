@@ -486,7 +486,12 @@ def _window2_edit(s, ix, axis, new_line, line=None, *, reduce_line=False):
 def _windowed(storage, size: int, axis: int) -> bool:
     """Whether a shift edits its line through a 2-line window (`_window2_edit`):
     unbatched, with a line before the shift axis to pair it with."""
-    return size == 1 and axis >= 1 and storage.shape[axis - 1] >= 2
+    return (
+        size == 1
+        and axis >= 1
+        and storage.shape[axis - 1] >= 2
+        and math.prod(storage.shape[:axis]) > 2
+    )
 
 
 def _shift(storage, tok, idx, axis, new_line, ordered, want_lines=False):
@@ -513,9 +518,23 @@ def _shift(storage, tok, idx, axis, new_line, ordered, want_lines=False):
         storage, lines, tok = _read_impl(storage, tok, *starts, sizes=sizes)
         lines = lines.reshape((size,) + storage.shape[axis:])
 
+    line_sizes = _line_sizes(storage.shape, axis)
+    pair = None
+    if size == 1 and not jnp.issubdtype(storage.dtype, jnp.complexfloating):
+        pair = _pair_dim(line_sizes, storage.shape)
+
     def body(j, s, idx):
         ix = _element(idx, j)
-        if lines is None:
+        if lines is None and pair is not None:
+            # One line of two (`_windowed` leaves them out: their 2-line window
+            # would be the whole buffer, rewritten out of place by every edit).
+            # A line written by a plain slice is duplicated into the next read of
+            # it, which then reads the older buffer (see `_window2_edit`); read
+            # through a reduction (`_window_by_reduce`), it is materialised once.
+            start = _line_start(ix, s.ndim)
+            line = _window_by_reduce(s, start, line_sizes, pair)
+            line = line.reshape(s.shape[axis:])
+        elif lines is None:
             start, line = _read_line(s, ix, axis)
         elif window:
             return _window2_edit(s, ix, axis, new_line, _take(lines, j))[0]
