@@ -307,6 +307,16 @@ def _read_impl(storage, tok, *starts, sizes):
         out = window.reshape(bshape + tuple(sizes))
         return storage, out, _read_token(tok, out)
 
+    if size == 1 and tuple(sizes) == tuple(storage.shape):
+        # The whole buffer: the window is the storage itself. Read in a loop, it
+        # was copied into the loop's state every step (a whole-buffer
+        # `dynamic_slice` after an insert: 1 copy forward, 2 in grad, 4 in jvp);
+        # as a value, its readers run before the next write wherever XLA can
+        # order them so (as for `.array`), and the token still orders that write
+        # after the read.
+        out = storage.reshape(bshape + tuple(sizes))
+        return storage, out, _read_token(tok, out)
+
     free = _free_dim(sizes, storage.shape)
 
     def body(j, state):
