@@ -82,6 +82,7 @@ from ._xla import (
     from_carrier,
     loop_not_unrolled,
     opaque_zero,
+    run_time_indices,
     to_carrier,
     widened_write,
     window2_edit,
@@ -228,6 +229,16 @@ def _read_impl(storage, tok, *starts, sizes):
         # step of the kv-cache body under grad).
         return storage, out, _read_token(tok, bits)
 
+    if size == 1 and tuple(sizes) == tuple(storage.shape):
+        # The whole buffer: the window is the storage itself. Read in a loop, it
+        # was copied into the loop's state every step (a whole-buffer
+        # `dynamic_slice` after an insert: 1 copy forward, 2 in grad, 4 in jvp);
+        # as a value, its readers run before the next write wherever XLA can
+        # order them so (as for `.array`), and the token still orders that write
+        # after the read.
+        out = storage.reshape(bshape + tuple(sizes))
+        return storage, out, _read_token(tok, out)
+
     free = _free_dim(sizes, storage.shape)
     # The loop moves bits where XLA:CPU would not move the values exactly (see
     # `carrier`), the storage too: XLA would otherwise carry it through the loop
@@ -249,7 +260,15 @@ def _read_impl(storage, tok, *starts, sizes):
         w = lax.dynamic_slice(s, st, sizes)
         return s, _put(out, j, w)
 
-    out = jnp.zeros((size,) + tuple(sizes), storage.dtype)
+    # The loop's output starts as zeros made from the storage's first element, not
+    # a constant: XLA merges equal constants, and two loops of one step (a read
+    # and its tangent, under `jvp(vmap)`) that start from one broadcast each get
+    # a copy of it, the size of the lines read, every step.
+    zero = jnp.zeros((), storage.dtype)
+    if storage.size > 0:
+        first = storage.reshape(-1)[:1].reshape(())
+        zero = jnp.where(opaque_zero(first) == 0, zero, first)
+    out = jnp.broadcast_to(zero, (size,) + tuple(sizes))
     storage, out = _loop(tok, size, body, (storage, out))
     tok = _read_token(tok, out)
     out = from_carrier(out.reshape(bshape + tuple(sizes)), dtype)
@@ -368,7 +387,12 @@ def _shift_left(line, col, fill):
 def _windowed(storage, size: int, axis: int) -> bool:
     """Whether a shift edits its line through a 2-line window (`window2_edit`):
     unbatched, with a line before the shift axis to pair it with."""
-    return size == 1 and axis >= 1 and storage.shape[axis - 1] >= 2
+    return (
+        size == 1
+        and axis >= 1
+        and storage.shape[axis - 1] >= 2
+        and math.prod(storage.shape[:axis]) > 2
+    )
 
 
 def _shift(storage, tok, idx, axis, new_line, ordered, want_lines=False):
@@ -395,9 +419,23 @@ def _shift(storage, tok, idx, axis, new_line, ordered, want_lines=False):
         storage, lines, tok = _read_impl(storage, tok, *starts, sizes=sizes)
         lines = lines.reshape((size,) + storage.shape[axis:])
 
+    line_sizes = _line_sizes(storage.shape, axis)
+    pair = None
+    if size == 1 and not jnp.issubdtype(storage.dtype, jnp.complexfloating):
+        pair = _pair_dim(line_sizes, storage.shape)
+
     def body(j, s, idx):
         ix = _element(idx, j)
-        if lines is None:
+        if lines is None and pair is not None:
+            # One line of two (`_windowed` leaves them out: their 2-line window
+            # would be the whole buffer, rewritten out of place by every edit).
+            # A line written by a plain slice is duplicated into the next read of
+            # it, which then reads the older buffer (see `window2_edit`); read
+            # through a reduction (`window_by_reduce`), it is materialised once.
+            start = _line_start(ix, s.ndim)
+            line, _ = window_by_reduce(s, start, line_sizes, pair)
+            line = line.reshape(s.shape[axis:])
+        elif lines is None:
             start, line = _read_line(s, ix, axis)
         elif window:
             return window2_edit(s, ix, axis, new_line, _take(lines, j))[0]
@@ -421,6 +459,13 @@ def _insert_abstract(storage, tok, value, *idx, axis, ordered):
     return storage, tok
 
 
+def _one_line(storage, size: int, axis: int) -> bool:
+    """Whether an unbatched shift writes the whole buffer: its line is the whole
+    buffer (a 1-D buffer, a delay line shifted along axis 0, a `(1, n)` buffer),
+    or its 2-line window is (`(2, n)`)."""
+    return size == 1 and math.prod(storage.shape[:axis]) <= 2
+
+
 def _reduce_readable(storage, size: int, axis: int) -> bool:
     """Whether a pop can read its line through a reduction (`window2_edit`'s
     `reduce_line`): a shift through a 2-line window, of a real or bool dtype."""
@@ -442,7 +487,7 @@ def _pop_edit(storage, tok, idx, axis, fill, read, ordered):
     if not read:  # a delete: the removed elements are not wanted
         storage, _ = _shift(storage, tok, idx, axis, new_line, ordered)
         return storage, jnp.zeros(bshape + storage.shape[axis + 1 :], storage.dtype)
-    if _reduce_readable(storage, size, axis):
+    if _reduce_readable(storage, size, axis) and not _one_line(storage, size, axis):
         # Read the line through a reduction, straight-line, take the removed
         # element out of it, and shift (see `window2_edit`). This holds after
         # another straight-line write too (`ordered`), since every unbatched write
@@ -457,6 +502,17 @@ def _pop_edit(storage, tok, idx, axis, fill, read, ordered):
         state = (storage, jnp.zeros(vshape, storage.dtype))
         storage, removed = _write(tok, size, body, state, idx)
         return storage, removed.reshape(bshape + vshape)
+    if _one_line(storage, size, axis) and storage.shape[axis] >= 2:
+        # The line is the whole buffer, so its write is not in place whatever
+        # comes before it (the shifted line is a new array, as in plain `lax`):
+        # read only the removed element, through a reduction (`_read_impl`), and
+        # shift after it, waiting on its token. Reading the whole line in a loop
+        # copied it into the loop's state every step (a copy of the buffer).
+        starts = list(idx) + [jnp.zeros_like(idx[-1])] * (storage.ndim - axis - 1)
+        sizes = (1,) * (axis + 1) + tuple(storage.shape[axis + 1 :])
+        storage, removed, tok = _read_impl(storage, tok, *starts, sizes=sizes)
+        storage, _ = _shift(storage, tok, idx, axis, new_line, False)
+        return storage, removed.reshape(bshape + storage.shape[axis + 1 :])
     # Otherwise the removed elements are read before the write (in place only if
     # ordered before it by data) from materialised lines: an ordered shift, its
     # reads in a loop.
@@ -478,7 +534,7 @@ def _pop_abstract(storage, tok, *idx, axis, fill, read, ordered):
 # Definitions.
 
 
-def _define(name: str, impl: Callable, abstract: Callable) -> Primitive:
+def _define(name: str, impl: Callable, abstract: Callable, n_arrays: int) -> Primitive:
     p = Primitive(name)
     p.multiple_results = True
     p.def_impl(
@@ -487,15 +543,17 @@ def _define(name: str, impl: Callable, abstract: Callable) -> Primitive:
         )
     )
     p.def_abstract_eval(abstract)
-    mlir.register_lowering(p, mlir.lower_fun(impl, multiple_results=True))
+    lowered = run_time_indices(impl, n_arrays)
+    mlir.register_lowering(p, mlir.lower_fun(lowered, multiple_results=True))
     return p
 
 
-read_p = _define("esb_read", _read_impl, _read_abstract)
-accum_p = _define("esb_accum", _accum_impl, _accum_abstract)
-swap_p = _define("esb_swap", _swap_impl, _swap_abstract)
-insert_p = _define("esb_insert", _insert_impl, _insert_abstract)
-pop_p = _define("esb_pop", _pop_impl, _pop_abstract)
+# `n_arrays`: the operands before the indices (storage, token, window/update/value).
+read_p = _define("esb_read", _read_impl, _read_abstract, 2)
+accum_p = _define("esb_accum", _accum_impl, _accum_abstract, 3)
+swap_p = _define("esb_swap", _swap_impl, _swap_abstract, 3)
+insert_p = _define("esb_insert", _insert_impl, _insert_abstract, 3)
+pop_p = _define("esb_pop", _pop_impl, _pop_abstract, 2)
 
 
 # ---------------------------------------------------------------------------

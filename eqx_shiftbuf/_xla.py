@@ -8,6 +8,7 @@ its docstring says what XLA does without it and which test fails if it goes:
 | workaround | without it, XLA... |
 |---|---|
 | `opaque_zero` | folds a constant zero, so an index or trip count orders nothing |
+| `run_time_indices` | turns constant-index slices static, and rewrites the whole buffer |
 | `loop_not_unrolled` | removes a 1-trip loop and reorders what it kept apart |
 | `NO_WRAP` | materialises lax's negative-start wrap as a kernel per access |
 | `widened_write` | duplicates a lower-rank write into the next read: a copy |
@@ -52,6 +53,32 @@ def opaque_zero(x: Any) -> jax.Array:
         first = jnp.real(first)
     first = lax.convert_element_type(first, jnp.float32)
     return (first > jnp.inf).astype(jnp.int32)
+
+
+def run_time_indices(impl: Callable, n_arrays: int) -> Callable:
+    """`impl` with its index operands (those after the first `n_arrays`) passed
+    through an `optimization_barrier`, so that XLA sees them as run-time values.
+
+    An index that XLA knows to be a constant (a Python int, `jnp.zeros_like(x)`, a
+    token that no access in the loop advances) turns the `dynamic-slice`s of the
+    buffer into static `slice`s; a fusion that writes the buffer with
+    `dynamic-update-slice` and also reads it through a `slice` cannot write it in
+    place, and rewrites all of it every step (`insert((0, 0), v)` then
+    `pop((0, 0))`: 2 whole-buffer rewrites per step forward, 4 in `grad`). The
+    barrier is hoisted out of a loop when its operands are loop-invariant: the
+    indices stay unknown to the loop body, at no cost per step.
+
+    Pinned by `tests/test_natural_patterns.py::test_no_per_iteration_copies`
+    (the `pyint` and `npint` rows).
+    """
+
+    def lowered(*args, **params):
+        arrays, idx = args[:n_arrays], args[n_arrays:]
+        if idx:
+            idx = lax.optimization_barrier(tuple(idx))
+        return impl(*arrays, *idx, **params)
+
+    return lowered
 
 
 def loop_not_unrolled(zero, size: int, body: Callable, state):

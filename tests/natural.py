@@ -1,0 +1,400 @@
+"""The patterns users write without thinking about XLA: the corpus's second part.
+
+Each row is a step body written the way a user writes it (Python-int and NumPy-int
+indices, a delay line, one line, a 1-D buffer, a whole-buffer read, a `lax.cond`, a
+checkpointed `esb.scan`, a batch of buffers), against the corpus's `Ops` (`corpus.ESB`
+and `corpus.PLAIN`, the latter accepting the same index styles). The loss is the
+corpus's (`corpus.make_loss`). `tests/test_natural_patterns.py` checks them;
+`benchmarks/patterns.py` counts their copies under every mode and times them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+import eqx_shiftbuf as esb
+
+from . import corpus
+
+
+BATCH = 4  # vmap modes: sequences of inputs
+MODES = ("fwd", "grad", "jvp", "vmap(grad)", "jvp(vmap)")
+
+
+# ---------------------------------------------------------------------------
+# Plain `lax`, accepting the index styles users write (Python and NumPy ints, a bare
+# scalar for axis 0), as `corpus.PLAIN` after converting them.
+
+
+def _plain_index(index):
+    if not isinstance(index, (tuple, list)):
+        index = (index,)
+    return tuple(jnp.asarray(i, jnp.int32) for i in index)
+
+
+PLAIN = dataclasses.replace(
+    corpus.PLAIN,
+    insert=lambda b, i, v: corpus.PLAIN.insert(b, _plain_index(i), v),
+    delete=lambda b, i: corpus.PLAIN.delete(b, _plain_index(i)),
+    pop=lambda b, i: corpus.PLAIN.pop(b, _plain_index(i)),
+)
+ESB = corpus.ESB
+
+
+def _dynamic_slice(ops, b, starts, sizes):
+    """`dynamic_slice` that returns only the window (not the carry), as users write it."""
+    if ops is PLAIN:
+        return lax.dynamic_slice(b.array, starts, sizes)
+    return b.dynamic_slice(starts, sizes)
+
+
+# ---------------------------------------------------------------------------
+# Step bodies: `step(ops, buf, x, p) -> (buf, y)`, `x` one step's inputs ("r", "c":
+# 2 rows and 2 columns, "v": a float, "t": the step), `p` the parameters.
+
+
+def _zero():
+    return jnp.zeros((), jnp.float32)
+
+
+def _insert_pop(r0, c0, r1, c1):
+    """Insert `sin(s v)` at (r0, c0), pop (r1, c1), return the popped value * s."""
+
+    def step(ops, b, x, p):
+        ri = lambda r: r(x) if callable(r) else r
+        b = ops.insert(b, (ri(r0), ri(c0)), jnp.sin(p["s"] * x["v"]))
+        b, removed = ops.pop(b, (ri(r1), ri(c1)))
+        return b, removed * p["s"]
+
+    return step
+
+
+def _insert_pop_1d(ops, b, x, p):
+    b = ops.insert(b, x["c"][0], jnp.sin(p["s"] * x["v"]))
+    b, removed = ops.pop(b, x["c"][1])
+    return b, removed * p["s"]
+
+
+def _frame(p, x, d):
+    return jnp.tanh(p["s"] * x["v"] + jnp.arange(d, dtype=jnp.float32))
+
+
+def _delay_whole(ops, b, x, p):
+    k, d = ops.shape(b)
+    b = ops.insert(b, 0, _frame(p, x, d))
+    b, w = ops.read(b, (0, 0), (k, d))
+    return b, (w * p["s"]).sum()
+
+
+TAPS = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512)  # 11 dilated taps
+
+
+def _delay_taps(ops, b, x, p):
+    k, d = ops.shape(b)
+    b = ops.insert(b, 0, _frame(p, x, d))
+    y = _zero()
+    for t in TAPS:
+        b, w = ops.read(b, (min(t, k - 1), 0), (1, d))
+        y = y + jnp.tanh(p["s"] * w).sum()
+    return b, y
+
+
+def _whole_ds(how):
+    def step(ops, b, x, p):
+        n, m = ops.shape(b)
+        b = ops.insert(b, (x["r"][0], x["c"][0]), jnp.sin(p["s"] * x["v"]))
+        if how == "dynamic_slice":
+            w = _dynamic_slice(ops, b, (0, 0), (n, m))
+        elif how == "read":
+            b, w = ops.read(b, (0, 0), (n, m))
+        else:  # ".array"
+            b, w = ops.read(b)
+        return b, (w * p["s"]).sum()
+
+    return step
+
+
+F = 8
+
+
+def _stack(ops, b, x, p):
+    # `b` is (stacks, capacity, F), shifted along axis 1: position 0 is the top.
+    f = jnp.tanh(p["s"] * x["v"] + jnp.arange(F, dtype=jnp.float32))
+    zero = jnp.zeros_like(x["c"][0])
+    b = ops.insert(b, (x["r"][0], zero), f)
+    b, top = ops.pop(b, (x["r"][1], zero))
+    return b, (top * p["s"]).sum()
+
+
+def _cond_stack(ops, b, x, p):
+    f = jnp.tanh(p["s"] * x["v"] + jnp.arange(F, dtype=jnp.float32))
+    zero = jnp.zeros_like(x["c"][0])
+
+    def push(b):
+        return ops.insert(b, (x["r"][0], zero), f), _zero()
+
+    def pop(b):
+        b, top = ops.pop(b, (x["r"][0], zero))
+        return b, (top * p["s"]).sum()
+
+    return lax.cond(x["v"] > 0.5, push, pop, b)
+
+
+def _checkpointed(f, init, xs):
+    return esb.scan(f, init, xs, kind="checkpointed")
+
+
+# ---------------------------------------------------------------------------
+# Rows.
+
+
+@dataclasses.dataclass(frozen=True)
+class Row:
+    name: str
+    what: str
+    step: Callable
+    shape: tuple[int, ...]
+    axis: int
+    rows: int  # range of "r"
+    cols: int  # range of "c"
+    scan: Callable = lax.scan  # the library's scan (plain `lax` always uses lax.scan)
+    batch_init: bool = False  # vmap modes: a batch of initial buffers, not one
+
+
+def _traced(k, i):
+    return lambda x: x[k][i]
+
+
+ROWS = (
+    Row(
+        "pyint",
+        "insert((0, 0), v) then pop((0, 0)), Python ints, (100, 500)",
+        _insert_pop(0, 0, 0, 0),
+        (100, 500),
+        1,
+        100,
+        500,
+    ),
+    Row(
+        "npint",
+        "same with NumPy int32 indices",
+        _insert_pop(np.int32(0), np.int32(0), np.int32(0), np.int32(0)),
+        (100, 500),
+        1,
+        100,
+        500,
+    ),
+    Row(
+        "traced0",
+        "same with int32 zeros passed as data (control)",
+        _insert_pop(*(lambda x: x["z"][0],) * 4),
+        (100, 500),
+        1,
+        100,
+        500,
+    ),
+    Row(
+        "traced",
+        "same at random traced (r, c) (the corpus style)",
+        _insert_pop(_traced("r", 0), _traced("c", 0), _traced("r", 1), _traced("c", 1)),
+        (100, 500),
+        1,
+        100,
+        500,
+    ),
+    Row(
+        "delay_whole",
+        "delay line (1024, 32) axis=0, insert(0, x), read of the whole window",
+        _delay_whole,
+        (1024, 32),
+        0,
+        1,
+        1024,
+    ),
+    Row(
+        "delay_taps",
+        "delay line (1024, 32) axis=0, insert(0, x), 11 (1, 32) tap reads",
+        _delay_taps,
+        (1024, 32),
+        0,
+        1,
+        1024,
+    ),
+    Row(
+        "one_line",
+        "one line (1, 4096), traced insert + pop",
+        _insert_pop(_traced("r", 0), _traced("c", 0), _traced("r", 1), _traced("c", 1)),
+        (1, 4096),
+        1,
+        1,
+        4096,
+    ),
+    Row(
+        "one_d",
+        "1-D (4096,), traced insert + pop",
+        _insert_pop_1d,
+        (4096,),
+        0,
+        1,
+        4096,
+    ),
+    Row(
+        "two_lines",
+        "two lines (2, 4096), traced insert + pop",
+        _insert_pop(_traced("r", 0), _traced("c", 0), _traced("r", 1), _traced("c", 1)),
+        (2, 4096),
+        1,
+        2,
+        4096,
+    ),
+    Row(
+        "whole_ds",
+        "insert, then dynamic_slice((0, 0), (512, 64)) (the window only)",
+        _whole_ds("dynamic_slice"),
+        (512, 64),
+        1,
+        512,
+        64,
+    ),
+    Row(
+        "whole_read",
+        "insert, then read((0, 0), (512, 64)) (buffer returned)",
+        _whole_ds("read"),
+        (512, 64),
+        1,
+        512,
+        64,
+    ),
+    Row(
+        "whole_array",
+        "insert, then read() (.array) (control)",
+        _whole_ds("array"),
+        (512, 64),
+        1,
+        512,
+        64,
+    ),
+    Row(
+        "stack",
+        "stack (64, 64, 8) axis=1, push then pop at 0 (jvp(vmap) is the issue's row)",
+        _stack,
+        (64, 64, F),
+        1,
+        64,
+        64,
+    ),
+    Row(
+        "cond_stack",
+        "stack (64, 64, 8), push or pop chosen by lax.cond",
+        _cond_stack,
+        (64, 64, F),
+        1,
+        64,
+        64,
+    ),
+    Row(
+        "esb_scan",
+        "traced insert + pop (100, 500) under checkpointed esb.scan",
+        _insert_pop(_traced("r", 0), _traced("c", 0), _traced("r", 1), _traced("c", 1)),
+        (100, 500),
+        1,
+        100,
+        500,
+        scan=_checkpointed,
+    ),
+)
+ROWS_BY_NAME_0 = {r.name: r for r in ROWS}
+ROWS += (
+    dataclasses.replace(
+        ROWS_BY_NAME_0["stack"],
+        name="stack_b",
+        what="the stack on a batch of buffers (vmap modes batch init and xs)",
+        batch_init=True,
+    ),
+    dataclasses.replace(
+        ROWS_BY_NAME_0["stack"],
+        name="stack_scan",
+        what="the stack under checkpointed esb.scan",
+        scan=_checkpointed,
+    ),
+    dataclasses.replace(
+        ROWS_BY_NAME_0["stack"],
+        name="stack_scan_b",
+        what="the stack under checkpointed esb.scan, a batch of buffers",
+        scan=_checkpointed,
+        batch_init=True,
+    ),
+)
+ROWS_BY_NAME = {r.name: r for r in ROWS}
+
+
+def inputs(row: Row, steps: int, seed: int = 0):
+    rng = np.random.default_rng(seed)
+    xs = {
+        "r": jnp.asarray(rng.integers(0, row.rows, (steps, 2)), jnp.int32),
+        "c": jnp.asarray(rng.integers(0, row.cols, (steps, 2)), jnp.int32),
+        "v": jnp.asarray(rng.random(steps), jnp.float32),
+        "t": jnp.arange(steps, dtype=jnp.int32),
+        "z": jnp.zeros((steps, 2), jnp.int32),  # zeros XLA cannot see are zeros
+    }
+    params = {"s": jnp.asarray(0.5, jnp.float32)}
+    init = jnp.asarray(rng.random(row.shape), jnp.float32)
+    return params, init, xs
+
+
+def batched(xs, seed: int = 1):
+    """`BATCH` different input sequences with the shapes of `xs` (as the corpus)."""
+    out = corpus.batch_xs({k: v for k, v in xs.items() if k != "z"}, BATCH, seed)
+    out["z"] = jnp.zeros((BATCH,) + xs["z"].shape, xs["z"].dtype)
+    return out
+
+
+def make_loss(row: Row, ops) -> Callable:
+    body = corpus.Body(row.name, row.step, axis=row.axis)
+    scan = row.scan if ops is ESB else lax.scan
+    return corpus.make_loss(body, ops, scan=scan)
+
+
+def program(mode: str, loss: Callable, batch_init: bool = False) -> Callable:
+    """`loss` under `mode`, a function of `(params, init, xs)`; the `vmap` modes take
+    batched `xs` (and a batch of `init`s with `batch_init`)."""
+    axis = 0 if batch_init else None
+    both = (0, 1)
+    if mode == "fwd":
+        return loss
+    if mode == "grad":
+        return jax.grad(loss, argnums=both)
+    if mode == "jvp":
+        return lambda p, a, xs: jax.jvp(lambda p, a: loss(p, a, xs), (p, a), (p, a))
+    if mode == "vmap(grad)":
+        return jax.vmap(jax.grad(loss, argnums=both), in_axes=(None, axis, 0))
+    if mode == "jvp(vmap)":
+        vl = jax.vmap(loss, in_axes=(None, axis, 0))
+        return lambda p, a, xs: jax.jvp(lambda p, a: vl(p, a, xs), (p, a), (p, a))
+    raise ValueError(mode)
+
+
+def args_for(row: Row, mode: str, steps: int):
+    p, init, xs = inputs(row, steps)
+    if "vmap" in mode:
+        xs = batched(xs)
+        if row.batch_init:
+            init = jnp.stack([init + k for k in range(BATCH)])
+    return p, init, xs
+
+
+def min_bytes(row: Row) -> int:
+    return int(np.prod(row.shape)) * 4 // 2
+
+
+def copies(row: Row, ops, mode: str, steps: int) -> list:
+    fn = program(mode, make_loss(row, ops), row.batch_init)
+    return esb.find_loop_copies(
+        fn, *args_for(row, mode, steps), min_bytes=min_bytes(row)
+    )
