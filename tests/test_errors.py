@@ -791,7 +791,9 @@ def test_axis_that_contradicts_a_shift_buffer_is_a_value_error():
 
 
 def test_buffer_that_is_not_an_array_is_a_type_error():
-    with pytest.raises(TypeError, match="esb.insert: the buffer must be a JAX array.*; got list"):
+    with pytest.raises(
+        TypeError, match="esb.insert: the buffer must be a JAX array.*; got list"
+    ):
         esb.insert([0.0, 1.0], 0, 1.0)
 
 
