@@ -249,7 +249,9 @@ def _random_indices(rng, n_edits):
     return jnp.asarray(np.stack([rows, cols], -1), jnp.int32)
 
 
-@settings(max_examples=40)
+# Each example with new `kinds` compiles two programs: 15 keep the suite short
+# (`benchmarks/` and a local `--hypothesis-profile` run can try more).
+@settings(max_examples=15)
 @given(
     kinds=st.lists(st.sampled_from(KINDS), min_size=1, max_size=3).map(tuple),
     seed=st.integers(0, 2**31 - 1),
@@ -286,7 +288,8 @@ def test_scan_grad_matches_finite_differences():
     rng = np.random.default_rng(1)
     idx = _random_indices(rng, 3)
     vals = jnp.asarray(rng.normal(size=(STEPS, 3)))
-    f = lambda x, p: _loss(kinds, True)(x, p, idx, vals)
+    # Jitted: `check_grads` evaluates `f` and its derivatives many times.
+    f = jax.jit(lambda x, p: _loss(kinds, True)(x, p, idx, vals))
     check_grads(
         f,
         (jnp.asarray(rng.normal(size=SHAPE)), jnp.float64(0.4)),
