@@ -13,8 +13,9 @@ from a run of the code shown next to it, in this build.
 - `ESB_DOCS_RESULTS` (environment, optional): a folder; the value each `main`
   returns is written there as JSON (`<file stem>.json`), for tests to check.
 
-Each file runs once per build, in this process, with the repository root first on
-`sys.path` (so the checkout's `eqx_shiftbuf` is the one documented and run).
+Each file runs once per build, in this process (after `jax.clear_caches()`), with
+the repository root first on `sys.path` (so the checkout's `eqx_shiftbuf` is the
+one documented and run).
 An exception in a program fails the build.
 """
 
@@ -50,6 +51,12 @@ def _run(path: str, root: pathlib.Path) -> str:
     spec = importlib.util.spec_from_file_location(name, file)
     assert spec is not None and spec.loader is not None, path
     module = importlib.util.module_from_spec(spec)
+    import jax
+
+    # As in a process of its own: JAX caches traces of inner `jit`s (the scan's
+    # output stacking, say) by shape, with the source lines of the program that
+    # traced them first, and `find_loop_copies` would name those lines.
+    jax.clear_caches()
     buf = io.StringIO()
     start = time.perf_counter()
     with contextlib.redirect_stdout(buf):
@@ -60,8 +67,6 @@ def _run(path: str, root: pathlib.Path) -> str:
     if results:
         out = pathlib.Path(results) / f"{file.stem}.json"
         out.write_text(json.dumps(result, indent=1, default=str))
-
-    import jax
 
     # Paths in the output (source lines named by find_loop_copies) are shown
     # relative to the repository.

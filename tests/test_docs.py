@@ -108,7 +108,7 @@ def test_site_builds_strict_and_its_programs_run(tmp_path):
     assert eq["grad_w_err"] < 1e-5 and eq["grad_hs0_err"] > 0.1, eq
     assert new["jvp"] == pytest.approx(ran["eqx_scan"]["lax.scan"]["jvp"], rel=1e-5)
     assert "custom_vjp" in eq["jvp"], eq["jvp"]
-    assert eq["double_write_err"] > 1, eq
+    assert not eq["double_write_err"] < 1, eq  # large, or NaN
     assert "a second write to a buffer position" in new["double_write"], new
 
     copying = ran["copying_step"]

@@ -35,7 +35,7 @@ from jax import lax
 import eqx_shiftbuf as esb
 
 
-SIZES = {"small": dict(n=64, d=16), "full": dict(n=4000, d=256)}
+SIZES = {"small": dict(n=64, d=16), "full": dict(n=2000, d=128)}
 
 
 # --8<-- [start:model]
