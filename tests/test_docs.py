@@ -1,0 +1,129 @@
+"""The documentation site builds with no warning, and everything it shows runs.
+
+- `mkdocs build --strict` (in a subprocess, as a reader would run it) with
+  `ESB_DOCS_SIZE=small`: the build runs every program a page names in a
+  `<!-- run: ... -->` line (the tutorials, `docs/examples/`) and shows what it
+  printed (see `docs/_hooks.py`); the values each returned are checked here.
+- Every public name, and every public member of the public classes, has an entry
+  in the API reference.
+- Every `python` code block of `docs/*.md` runs, in order, one namespace per page,
+  with JAX's default 32-bit types (as a reader runs them). Blocks that include a
+  file (`--8<--`) show code that the build ran.
+
+Needs the `docs` extra (`pip install -e ".[dev,docs]"`); skipped without it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import json
+import os
+import pathlib
+import re
+import subprocess
+import sys
+
+import equinox as eqx
+import jax
+import pytest
+
+import eqx_shiftbuf as esb
+
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+DOCS = ROOT / "docs"
+PAGES = sorted(DOCS.rglob("*.md"))
+
+needs_mkdocs = pytest.mark.skipif(
+    not all(
+        importlib.util.find_spec(m) for m in ("mkdocs", "material", "mkdocstrings")
+    ),
+    reason="the docs extra is not installed: pip install -e '.[dev,docs]'",
+)
+
+
+def python_blocks(page: pathlib.Path) -> list[tuple[int, str]]:
+    """`(line, code)` of each ```python block of `page` that is not an include."""
+    text = page.read_text()
+    blocks = []
+    for m in re.finditer(r"^```python\n(.*?)^```", text, re.S | re.M):
+        if "--8<--" not in m.group(1):
+            blocks.append((text.count("\n", 0, m.start()) + 2, m.group(1)))
+    return blocks
+
+
+def public_members(cls) -> set[str]:
+    base = set(dir(eqx.Module if issubclass(cls, eqx.Module) else object))
+    names = {n for n in set(dir(cls)) - base if not n.startswith("_")}
+    if dataclasses.is_dataclass(cls):
+        names |= {f.name for f in dataclasses.fields(cls) if not f.name.startswith("_")}
+    return names
+
+
+@needs_mkdocs
+def test_site_builds_strict_and_its_programs_run(tmp_path):
+    site, results = tmp_path / "site", tmp_path / "results"
+    results.mkdir()
+    env = dict(
+        os.environ,
+        ESB_DOCS_SIZE="small",
+        ESB_DOCS_RESULTS=str(results),
+        NO_MKDOCS_2_WARNING="1",
+        PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+    )
+    cmd = [sys.executable, "-m", "mkdocs", "build", "--strict", "-f",
+           str(ROOT / "mkdocs.yml"), "-d", str(site)]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "WARNING" not in proc.stderr, proc.stderr
+
+    # The API reference documents every public name and member.
+    html = "".join(p.read_text() for p in (site / "api").rglob("*.html"))
+    names = {n for n in dir(esb) if not n.startswith("_")}
+    missing = sorted(n for n in names if f'id="eqx_shiftbuf.{n}"' not in html)
+    for cls in (esb.ShiftBuffer, esb.WriteOnceBuffer, esb.LoopCopy):
+        missing += sorted(
+            f"{cls.__name__}.{m}"
+            for m in public_members(cls)
+            if f'id="eqx_shiftbuf.{cls.__name__}.{m}"' not in html
+        )
+    assert not missing, f"not in the API reference: {missing}"
+
+    # Every `<!-- run: ... -->` was replaced by a run's output.
+    for page in site.rglob("*.html"):
+        assert "<!-- run:" not in page.read_text(), page
+
+    # What the programs returned: the claims their pages make.
+    ran = {p.stem: json.loads(p.read_text()) for p in results.glob("*.json")}
+    assert set(ran) == {"sorted_rows", "eqx_scan", "copying_step"}, sorted(ran)
+
+    lax_, lib = ran["sorted_rows"]["plain lax"], ran["sorted_rows"]["eqx_shiftbuf"]
+    assert ran["sorted_rows"]["agree"]
+    assert lib["fwd_copies"] == 0 and lib["grad_copies"] == 0, lib
+    assert lax_["grad_copies"] >= 1, lax_
+
+    eq, new = ran["eqx_scan"]["equinox"], ran["eqx_scan"]["esb.scan"]
+    assert new["grad_w_err"] < 1e-5 and new["grad_hs0_err"] < 1e-5, new
+    assert eq["grad_w_err"] < 1e-5 and eq["grad_hs0_err"] > 0.1, eq
+    assert new["jvp"] == pytest.approx(ran["eqx_scan"]["lax.scan"]["jvp"], rel=1e-5)
+    assert "custom_vjp" in eq["jvp"], eq["jvp"]
+    assert not eq["double_write_err"] < 1, eq  # large, or NaN
+    assert "a second write to a buffer position" in new["double_write"], new
+
+    copying = ran["copying_step"]
+    assert len(copying["step_unordered"]) >= 1 and copying["step_ordered"] == []
+
+
+@pytest.mark.parametrize(
+    "page",
+    [p for p in PAGES if python_blocks(p)],
+    ids=lambda p: str(p.relative_to(DOCS)),
+)
+def test_code_blocks_run(page):
+    namespace: dict = {"__name__": f"docs.{page.stem}"}
+    with jax.enable_x64(False):
+        for line, code in python_blocks(page):
+            # Padded so that a traceback names the page's own line numbers.
+            source = "\n" * (line - 1) + code
+            exec(compile(source, str(page), "exec"), namespace)
