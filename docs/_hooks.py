@@ -51,6 +51,8 @@ def _run(path: str, root: pathlib.Path) -> str:
     spec = importlib.util.spec_from_file_location(name, file)
     assert spec is not None and spec.loader is not None, path
     module = importlib.util.module_from_spec(spec)
+    # Registered, as an import would: dataclasses (Equinox modules) look it up.
+    sys.modules[name] = module
     import jax
 
     # As in a process of its own: JAX caches traces of inner `jit`s (the scan's
@@ -78,6 +80,19 @@ def _run(path: str, root: pathlib.Path) -> str:
     )
     _outputs[path] = f"```text\n{text}\n```\n\n<small>{note}</small>\n"
     return _outputs[path]
+
+
+# Files outside docs/ that pages show: (path in the site, path in the repository).
+_EXTRA_FILES = [("benchmarks/grad_vs_rows.png", "benchmarks/grad_vs_rows.png")]
+
+
+def on_files(files, config):
+    from mkdocs.structure.files import File
+
+    root = _root(config)
+    for uri, path in _EXTRA_FILES:
+        files.append(File.generated(config, uri, abs_src_path=str(root / path)))
+    return files
 
 
 def on_pre_build(config):

@@ -36,6 +36,14 @@ class ShiftBuffer(eqx.Module):
     `read`: after `dynamic_slice`, an edit that does not use the values read, or
     returning the buffer from the step, copies the whole buffer every step.
 
+    **In a model.** A `ShiftBuffer` field of a model is an inexact-array leaf:
+    `eqx.filter_grad` differentiates it and an optax step changes its contents.
+    Keep buffers out of the parameters: in an `eqx.nn.State` (the initial value of
+    an `eqx.nn.StateIndex`), made inside the call, or partitioned out, e.g.
+    `eqx.partition(model, lambda x: eqx.is_inexact_array(x) and not
+    isinstance(x, ShiftBuffer), is_leaf=lambda x: isinstance(x, ShiftBuffer))`.
+    See the documentation's "Buffers in models".
+
     **A batch of buffers** (`jax.vmap(ShiftBuffer.from_array)(arrays)`,
     `eqx.filter_vmap`, or what a vmapped edit returns) is the same pytree with a
     leading batch axis on every leaf: `.batch_shape` is that shape, `.array` and

@@ -96,7 +96,15 @@ def test_site_builds_strict_and_its_programs_run(tmp_path):
 
     # What the programs returned: the claims their pages make.
     ran = {p.stem: json.loads(p.read_text()) for p in results.glob("*.json")}
-    assert set(ran) == {"sorted_rows", "eqx_scan", "copying_step"}, sorted(ran)
+    assert set(ran) == {
+        "sorted_rows",
+        "streaming_conv",
+        "kv_cache",
+        "stack_rnn",
+        "eqx_scan",
+        "copying_step",
+        "layout",
+    }, sorted(ran)
 
     lax_, lib = ran["sorted_rows"]["plain lax"], ran["sorted_rows"]["eqx_shiftbuf"]
     assert ran["sorted_rows"]["agree"]
@@ -113,6 +121,67 @@ def test_site_builds_strict_and_its_programs_run(tmp_path):
 
     copying = ran["copying_step"]
     assert len(copying["step_unordered"]) >= 1 and copying["step_ordered"] == []
+
+    conv = ran["streaming_conv"]
+    assert conv["buffers_in_params"] == 0 and conv["buffers_in_state"] == 2, conv
+    assert conv["state_unchanged"], conv
+    assert conv["loss_last"] < conv["loss_first"], conv
+    assert conv["stream_vs_whole"] == 0 and conv["stream_vs_reference"] < 1e-4, conv
+
+    kv = ran["kv_cache"]
+    assert kv["grad_copies"] == 0 and kv["memory_ratio"] < 0.6, kv
+    assert kv["accuracy"] > 0.5, kv  # chance is 1 / vocabulary
+
+    stack = ran["stack_rnn"]
+    for kind in ("pointer", "shift"):
+        assert stack[kind]["grad_copies"] == 0, stack
+        assert stack[kind]["accuracy"] > 0.5, stack
+
+    layout = ran["layout"]
+    for name, r in layout["models"].items():
+        assert r["memory_ratio"] < 1, (name, r)
+    for name, r in layout["delay"].items():
+        assert name.startswith("shift") or r["copies"] == 0, (name, r)  # a ring
+
+
+def _tutorial(name: str):
+    spec = importlib.util.spec_from_file_location(
+        f"_test_docs_{name}", DOCS / "tutorials" / f"{name}.py"
+    )
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses (Equinox modules) look it up
+    spec.loader.exec_module(module)
+    return module
+
+
+def _buffers(tree) -> int:
+    is_buffer = lambda x: isinstance(x, esb.ShiftBuffer)
+    return sum(map(is_buffer, jax.tree.leaves(tree, is_leaf=is_buffer)))
+
+
+def test_tutorials_train_no_buffer():
+    """What each tutorial gives optax (its model's inexact arrays) holds no
+    `ShiftBuffer`, and the buffers it uses are ShiftBuffers (so the check is not
+    vacuous): in the state (tutorial 2), made by the loss (3), an argument (4)."""
+    conv = _tutorial("streaming_conv")
+    model, state = eqx.nn.make_with_state(conv.TCN)(3, 2, 4, key=jax.random.key(0))
+    assert _buffers(eqx.filter(model, eqx.is_inexact_array)) == 0
+    assert _buffers(state) == 2
+    grads = eqx.filter_grad(conv.loss)(model, state, jax.numpy.ones((5, 2)),
+                                       jax.numpy.ones((5, 2)))  # fmt: skip
+    assert _buffers(grads) == 0
+
+    kv = _tutorial("kv_cache")
+    model = kv.Decoder(4, 6, 8, key=jax.random.key(0))
+    assert _buffers(eqx.filter(model, eqx.is_inexact_array)) == 0
+    assert _buffers(model.empty_cache(2)) == 1
+
+    rnn = _tutorial("stack_rnn")
+    model = rnn.StackRNN(4, 8, key=jax.random.key(0))
+    assert _buffers(eqx.filter(model, eqx.is_inexact_array)) == 0
+    assert _buffers(rnn.PointerStack.empty(3, 8)) == 1
+    assert _buffers(rnn.ShiftStack.empty(3, 8)) == 1
 
 
 @pytest.mark.parametrize(
