@@ -68,23 +68,29 @@ def models(size: str):
     yield (
         "TCN (tutorial 2)",
         f"{d['length']} steps, delay lines {d['k']} x {d['d']} and {d['k']} x {d['hidden']}",
-        lambda scan: lambda p, s, x: jax.grad(
-            lambda p: tcn.loss(eqx.combine(p, static), s, x, x, scan)
-        )(p),
+        lambda scan: (
+            lambda p, s, x: jax.grad(
+                lambda p: tcn.loss(eqx.combine(p, static), s, x, x, scan)
+            )(p)
+        ),
         (p, state, xs),
     )
 
     kv = tutorial("kv_cache")
     d = kv.SIZES[size]
     model = kv.Decoder(d["vocab"], d["length"], d["d"], key=jax.random.key(0))
-    tokens = kv.make_batch(jax.random.key(1), d["batch"], d["vocab"], d["period"], d["length"])
+    tokens = kv.make_batch(
+        jax.random.key(1), d["batch"], d["vocab"], d["period"], d["length"]
+    )
     p, static = eqx.partition(model, eqx.is_inexact_array)
     yield (
         "decoder (tutorial 3)",
         f"{d['length'] - 1} steps, KV cache {d['batch']} x {d['length']} x {2 * d['d']}",
-        lambda scan: lambda p, t: jax.grad(
-            lambda p: kv.loss(eqx.combine(p, static), t, d["period"], scan)
-        )(p),
+        lambda scan: (
+            lambda p, t: jax.grad(
+                lambda p: kv.loss(eqx.combine(p, static), t, d["period"], scan)
+            )(p)
+        ),
         (p, tokens),
     )
 
@@ -99,9 +105,11 @@ def models(size: str):
             f"stack RNN, {kind} (tutorial 4)",
             f"{2 * d['max_len']} steps, vmap over {d['batch']}, stack "
             f"{d['max_len']} x {d['width']}",
-            lambda scan, empty=empty: lambda p, *data: jax.grad(
-                lambda p: rnn.loss(eqx.combine(p, static), empty, *data, scan=scan)
-            )(p),
+            lambda scan, empty=empty: (
+                lambda p, *data: jax.grad(
+                    lambda p: rnn.loss(eqx.combine(p, static), empty, *data, scan=scan)
+                )(p)
+            ),
             (p, *data),
         )
 
@@ -177,7 +185,9 @@ def main(size: str = "full") -> dict:
             grad = jax.grad(lambda p, xs, step=step, n=n: delay_loss(step, p, xs, n))
             _, ms = measure(grad, (1.0, xs), size)
             copies = esb.find_loop_copies(grad, 1.0, xs, min_bytes=n * d * 2)
-            out["delay"][f"{name} {n}"] = dict(us_per_step=ms * 1e3 / steps, copies=len(copies))
+            out["delay"][f"{name} {n}"] = dict(
+                us_per_step=ms * 1e3 / steps, copies=len(copies)
+            )
             print(f"{n:>6} {name:<6} {ms * 1e3 / steps:>12.3f} {len(copies):>6d}")
     return out
 

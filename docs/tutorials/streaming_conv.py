@@ -135,7 +135,9 @@ def reference(model: TCN, xs: Array) -> Array:
         k = layer.weight.shape[0]
         padded = jnp.pad(x, ((k - 1, 0), (0, 0)))
         # windows[t, k] = x_{t-k}
-        windows = jnp.stack([padded[k - 1 - j : k - 1 - j + len(x)] for j in range(k)], 1)
+        windows = jnp.stack(
+            [padded[k - 1 - j : k - 1 - j + len(x)] for j in range(k)], 1
+        )
         return jnp.einsum("tki,kio->to", windows, layer.weight) + layer.bias
 
     return conv(model.conv2, jax.nn.gelu(conv(model.conv1, xs)))
@@ -187,8 +189,7 @@ def main(size: str = "full") -> dict:
 
     # The state given to training is the initial one, untouched by adam.
     out["state_unchanged"] = all(
-        bool((a == 0).all())
-        for a in jax.tree.leaves(eqx.filter(state, eqx.is_array))
+        bool((a == 0).all()) for a in jax.tree.leaves(eqx.filter(state, eqx.is_array))
     )
 
     # Stream a new sequence in chunks, one `filter_jit` call per chunk.
