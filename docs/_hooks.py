@@ -9,7 +9,8 @@ a note saying which size ran and on what. So every number shown in the site come
 from a run of the code shown next to it, in this build.
 
 - `ESB_DOCS_SIZE` (environment): the size passed to `main`, "full" (default: the
-  realistic sizes, a few minutes in all) or "small" (what the tests build).
+  realistic sizes, a few minutes in all) or "small"; or "none": run nothing, and
+  show a placeholder (what the tests build: they run each program on its own).
 - `ESB_DOCS_RESULTS` (environment, optional): a folder; the value each `main`
   returns is written there as JSON (`<file stem>.json`), for tests to check.
 
@@ -44,6 +45,8 @@ def _run(path: str, root: pathlib.Path) -> str:
     if path in _outputs:
         return _outputs[path]
     size = os.environ.get("ESB_DOCS_SIZE", "full")
+    if size == "none":
+        return f"*(`{path}` prints its results here in a full build.)*\n"
     if str(root) not in sys.path:
         sys.path.insert(0, str(root))
     file = root / path

@@ -153,7 +153,9 @@ def main(size: str = "full") -> dict:
         f"{'model':<32} {'lax MiB':>8} {'esb MiB':>8} {'memory':>7} "
         f"{'lax ms':>8} {'esb ms':>8} {'time':>6}"
     )
-    for name, what, make_grad, args in models(size):
+    for i, (name, what, make_grad, args) in enumerate(models(size)):
+        if size == "small" and i == 2:
+            break  # the small size (what the tests run): the first two models only
         lax_mib, lax_ms = measure(make_grad(lax.scan), args, size)
         esb_mib, esb_ms = measure(make_grad(esb.scan), args, size)
         r = dict(
@@ -176,7 +178,7 @@ def main(size: str = "full") -> dict:
     print("(memory, time: esb.scan / lax.scan)")
 
     steps, d = (200, 8) if size == "small" else (2000, 16)
-    lengths = (16, 256) if size == "small" else (16, 256, 4096)
+    lengths = (64,) if size == "small" else (16, 256, 4096)
     xs = jax.random.normal(jax.random.key(0), (steps, d))
     print(f"\n2. A delay line of {d} features, {steps} steps, read at delays {TAPS}")
     print(f"{'rows':>6} {'layout':<6} {'grad us/step':>12} {'copies':>6}")
