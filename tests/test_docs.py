@@ -38,7 +38,8 @@ PAGES = sorted(DOCS.rglob("*.md"))
 
 needs_mkdocs = pytest.mark.skipif(
     not all(
-        importlib.util.find_spec(m) for m in ("mkdocs", "material", "mkdocstrings", "optax")
+        importlib.util.find_spec(m)
+        for m in ("mkdocs", "material", "mkdocstrings", "optax")
     ),
     reason="the docs extra is not installed: pip install -e '.[dev,docs]'",
 )
