@@ -474,6 +474,17 @@ def _reduce_readable(storage, size: int, axis: int) -> bool:
     )
 
 
+def _line_pair(storage, size: int, axis: int) -> int | None:
+    """The dimension along which an unbatched shift of one line of two (a
+    `(2, n)` buffer) reads its line through a reduction (`window_by_reduce`), if
+    it can: a real or bool dtype, and lines of at least 2 elements."""
+    if size != 1 or axis < 1 or _windowed(storage, size, axis):
+        return None
+    if jnp.issubdtype(storage.dtype, jnp.complexfloating) or storage.shape[axis] < 2:
+        return None
+    return _pair_dim(_line_sizes(storage.shape, axis), storage.shape)
+
+
 def _pop_impl(storage, tok, *idx, axis, fill, read, ordered):
     storage, removed = _pop_edit(storage, tok, idx, axis, fill, read, ordered)
     return storage, removed, tok
@@ -497,6 +508,26 @@ def _pop_edit(storage, tok, idx, axis, fill, read, ordered):
             ix = _element(idx, j)
             s, line = window2_edit(state[0], ix, axis, new_line, reduce_line=True)
             return s, lax.dynamic_index_in_dim(line, ix[-1], 0, keepdims=False)
+
+        vshape = storage.shape[axis + 1 :]
+        state = (storage, jnp.zeros(vshape, storage.dtype))
+        storage, removed = _write(tok, size, body, state, idx)
+        return storage, removed.reshape(bshape + vshape)
+    pair = _line_pair(storage, size, axis)
+    if pair is not None:
+        # One line of two: read the line through a reduction over both lines
+        # (`window_by_reduce`), take the removed element out of that value, and
+        # write the line, straight-line (as `window2_edit` with `reduce_line`).
+        # Reading the removed element through a reduction of its own first, as
+        # for a single line below, cost one more kernel per pop.
+        def body(j, state, idx):
+            ix = _element(idx, j)
+            s = state[0]
+            start = _line_start(ix, s.ndim)
+            line, _ = window_by_reduce(s, start, _line_sizes(s.shape, axis), pair)
+            line = line.reshape(s.shape[axis:])
+            out = _write_line(s, start, new_line(j, line, ix[-1]), axis)
+            return out, lax.dynamic_index_in_dim(line, ix[-1], 0, keepdims=False)
 
         vshape = storage.shape[axis + 1 :]
         state = (storage, jnp.zeros(vshape, storage.dtype))
