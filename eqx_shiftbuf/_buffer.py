@@ -223,7 +223,17 @@ class ShiftBuffer(eqx.Module):
             )
         if start_indices is None:
             storage = self.array
-            return self._replace(storage, self._error, self._token), storage
+            if self.batch_shape or self.ndim == 0:
+                return self._replace(storage, self._error, self._token), storage
+            # The whole buffer, through `read_p` (its recorded error was raised
+            # just above): the next edit waits for the read through the token, and
+            # under `grad` the contents' cotangent is accumulated into the
+            # buffer's by `accum_p`, in place, not by an add that XLA fuses into
+            # the next read and then writes out of place (1 copy per step).
+            b = _ops.Leaves(storage, self._error, self._token)
+            zeros = (0,) * self.ndim
+            b, contents = _ops.read_window(b, zeros, self.shape, "promise_in_bounds")
+            return self._with(b), contents
         b, window = _ops.read_window(
             self._leaves("read"), start_indices, slice_sizes, mode
         )
