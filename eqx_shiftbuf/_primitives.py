@@ -234,10 +234,15 @@ def _read_impl(storage, tok, *starts, sizes):
         # was copied into the loop's state every step (a whole-buffer
         # `dynamic_slice` after an insert: 1 copy forward, 2 in grad, 4 in jvp);
         # as a value, its readers run before the next write wherever XLA can
-        # order them so (as for `.array`), and the token still orders that write
-        # after the read.
+        # order them so (as for `.array`). The token is returned unchanged: one
+        # made from the window (its first element) ordered the next write only
+        # after that element's read, not after the window's readers, and cost a
+        # kernel of its own, which after a whole-line shift (a delay line) also
+        # made XLA compute the shifted element again: a delay line's step with a
+        # whole-buffer read was 1.2x plain `lax`, 1.1x without it, with the same
+        # copies in every row of `tests/natural.py` and the corpus.
         out = storage.reshape(bshape + tuple(sizes))
-        return storage, out, _read_token(tok, out)
+        return storage, out, tok
 
     free = _free_dim(sizes, storage.shape)
     # The loop moves bits where XLA:CPU would not move the values exactly (see
