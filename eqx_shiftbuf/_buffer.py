@@ -46,6 +46,32 @@ class ShiftBuffer(eqx.Module):
     edit reads and writes one window or one line (see `eqx_shiftbuf._primitives`),
     and needs no padding or scratch space.
 
+    **Costs.** A window access costs O(window); a shift (`insert`, `delete`,
+    `pop`) costs O(line). Where the line is the whole buffer (a 1-D buffer, one
+    line `(1, n)`, a delay line `ShiftBuffer.zeros((K, D), axis=0)` with
+    `insert(0, frame)`), a shift is O(buffer) per step, and XLA writes it out of
+    place and copies it into the loop's carry, as for plain `lax` code (1 copy
+    per step forward, 2 under `grad`). For a delay line or a sliding window use a
+    ring, O(window) per step: write frame `t` with
+    `buf.dynamic_update_slice(frame[None], (t % K, 0))`, read tap `k` with
+    `buf.read(((t - k) % K, 0), (1, D))`.
+
+    **Choosing an edit at run time.** Do not choose between edits of the buffer
+    with `lax.cond` (or `jnp.where` between two edited buffers): XLA copies a
+    conditional's buffer operand every step (jax#38145), and under `vmap` a `cond`
+    becomes both branches and a `select` of two whole buffers (a stack's push or
+    pop chosen by `lax.cond`: 3 copies per step forward, 6 under `grad`). Apply
+    every edit every step and choose with `jnp.where` on indices and values
+    instead: keep a spare line, send the edit not chosen there, and select the
+    output, e.g. for a push or a pop on stack `r` of a buffer with a spare stack
+    `s` (0 copies in every mode):
+
+    ```python
+    buf = buf.insert((jnp.where(push, r, s), 0), value)
+    buf, top = buf.pop((jnp.where(push, s, r), 0))
+    out = jnp.where(push, 0.0, top)
+    ```
+
     **Index checks.** A traced index out of range in an edit (`insert`, `delete`,
     `dynamic_update_slice`) is not raised at the edit: the buffer records it, and
     the next read of the buffer (`.array`, `dynamic_slice`, `pop`) raises it,
