@@ -155,7 +155,8 @@ def read(
     `esb.read(x, start_indices, slice_sizes)` is `(x2, window)` with `window ==
     esb.dynamic_slice(x, start_indices, slice_sizes)`; with neither given it reads
     the whole contents (`x.array` for a `ShiftBuffer`, raising a recorded index
-    error as `.array` does). `x2` holds the same values as `x`. This is the form to
+    error as `.array` does, unless `mode="promise_in_bounds"`, which promises
+    that no edit had an index out of range, as it does for a window). `x2` holds the same values as `x`. This is the form to
     use inside a loop, as an `equinox.nn.State` is used: carry on with `x2`, not
     `x`.
 
