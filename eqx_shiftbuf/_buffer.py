@@ -8,6 +8,7 @@ from typing import Any
 import equinox as eqx
 import jax.numpy as jnp
 import jax.tree_util as jtu
+import numpy as np
 from jaxtyping import Array, ArrayLike
 
 from . import _ops
@@ -53,6 +54,32 @@ class ShiftBuffer(eqx.Module):
     edit reads and writes one window or one line (see `eqx_shiftbuf._primitives`),
     and needs no padding or scratch space.
 
+    **Costs.** A window access costs O(window); a shift (`insert`, `delete`,
+    `pop`) costs O(line). Where the line is the whole buffer (a 1-D buffer, one
+    line `(1, n)`, a delay line `ShiftBuffer.zeros((K, D), axis=0)` with
+    `insert(0, frame)`), a shift is O(buffer) per step, and XLA writes it out of
+    place and copies it into the loop's carry, as for plain `lax` code (1 copy
+    per step forward, 2 under `grad`). For a delay line or a sliding window use a
+    ring, O(window) per step: write frame `t` with
+    `buf.dynamic_update_slice(frame[None], (t % K, 0))`, read tap `k` with
+    `buf.read(((t - k) % K, 0), (1, D))`.
+
+    **Choosing an edit at run time.** Do not choose between edits of the buffer
+    with `lax.cond` (or `jnp.where` between two edited buffers): XLA copies a
+    conditional's buffer operand every step (jax#38145), and under `vmap` a `cond`
+    becomes both branches and a `select` of two whole buffers (a stack's push or
+    pop chosen by `lax.cond`: 3 copies per step forward, 6 under `grad`). Apply
+    every edit every step and choose with `jnp.where` on indices and values
+    instead: keep a spare line, send the edit not chosen there, and select the
+    output, e.g. for a push or a pop on stack `r` of a buffer with a spare stack
+    `s` (0 copies in every mode):
+
+    ```python
+    buf = buf.insert((jnp.where(push, r, s), 0), value)
+    buf, top = buf.pop((jnp.where(push, s, r), 0))
+    out = jnp.where(push, 0.0, top)
+    ```
+
     **Index checks.** A traced index out of range in an edit (`insert`, `delete`,
     `dynamic_update_slice`) is not raised at the edit: the buffer records it, and
     the next read of the buffer (`.array`, `dynamic_slice`, `pop`) raises it,
@@ -95,7 +122,15 @@ class ShiftBuffer(eqx.Module):
         self._storage = arr
         self.axis = _ops.normalise_axis(axis, arr.ndim)
         self.fill = _ops.check_fill(fill, arr.dtype)
-        self._error = jnp.zeros((), jnp.float32)
+        # A NumPy zero, not `jnp.zeros`: inside `jit` that would be a tracer, and a
+        # read could not tell that no edit ever recorded an error. `lax.scan`
+        # returns a carry that its body passes through unchanged as the very
+        # object it was given, so after edits that record nothing
+        # (`promise_in_bounds`) the record is still this constant, and `.array`
+        # adds no check: a check is a host callback, an effect, and a program
+        # with one leaves JAX's C++ dispatch path (about 0.15 ms per call on
+        # XLA:CPU, which doubled the time of a 100-step scan on a small buffer).
+        self._error = np.zeros((), np.float32)
         self._token = new_token()
 
     def _replace(self, storage: Any, error: Any, token: Any) -> "ShiftBuffer":
@@ -221,8 +256,26 @@ class ShiftBuffer(eqx.Module):
                 "or neither (the whole contents)."
             )
         if start_indices is None:
-            storage = self.array
-            return self._replace(storage, self._error, self._token), storage
+            if mode not in _ops.MODES:
+                raise ValueError(
+                    f"`mode` must be None or 'promise_in_bounds'; got {mode!r}."
+                )
+            # With `promise_in_bounds`, as for a window read, no recorded error is
+            # raised: inside a loop the record is a traced carry, and its check a
+            # host callback (an effect), which takes the whole program off JAX's
+            # C++ dispatch path (about 0.15 ms per call).
+            storage = self.array if mode is None else self._storage
+            if self.batch_shape or self.ndim == 0:
+                return self._replace(storage, self._error, self._token), storage
+            # The whole buffer, through `read_p` (its recorded error was raised
+            # just above): the next edit waits for the read through the token, and
+            # under `grad` the contents' cotangent is accumulated into the
+            # buffer's by `accum_p`, in place, not by an add that XLA fuses into
+            # the next read and then writes out of place (1 copy per step).
+            b = _ops.Leaves(storage, self._error, self._token)
+            zeros = (0,) * self.ndim
+            b, contents = _ops.read_window(b, zeros, self.shape, "promise_in_bounds")
+            return self._with(b), contents
         b, window = _ops.read_window(
             self._leaves("read"), start_indices, slice_sizes, mode
         )

@@ -155,7 +155,8 @@ def read(
     `esb.read(x, start_indices, slice_sizes)` is `(x2, window)` with `window ==
     esb.dynamic_slice(x, start_indices, slice_sizes)`; with neither given it reads
     the whole contents (`x.array` for a `ShiftBuffer`, raising a recorded index
-    error as `.array` does). `x2` holds the same values as `x`. This is the form to
+    error as `.array` does, unless `mode="promise_in_bounds"`, which promises
+    that no edit had an index out of range, as it does for a window). `x2` holds the same values as `x`. This is the form to
     use inside a loop, as an `equinox.nn.State` is used: carry on with `x2`, not
     `x`.
 
@@ -247,6 +248,16 @@ def insert(
     Along the line `x[index[:-1]]`, positions `col..n-2` move to `col+1..n-1` (where
     `col = index[-1]` and `n = x.shape[axis]`), the element at `n-1` is dropped, and
     `value` is written at `col`.
+
+    A shift costs O(line): it reads and rewrites its whole line. Where the line is
+    the whole buffer (a 1-D buffer, a `(1, n)` buffer, a delay line
+    `ShiftBuffer.zeros((K, D), axis=0)` with `insert(0, frame)`), that is O(buffer)
+    per step, and inside a loop XLA writes the shifted buffer out of place and
+    copies it into the loop's carry, as it does for plain `lax` code (1 copy per
+    step forward, 2 under `grad` and `jvp`). For a delay line or a sliding window,
+    a ring is O(window): write frame `t` with
+    `buf.dynamic_update_slice(frame[None], (t % K, 0))` and read tap `k` at row
+    `(t - k) % K` (0 copies in every mode, `tests/natural.py`'s `ring_taps`).
 
     **Arguments:**
 

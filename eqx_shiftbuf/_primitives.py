@@ -234,10 +234,15 @@ def _read_impl(storage, tok, *starts, sizes):
         # was copied into the loop's state every step (a whole-buffer
         # `dynamic_slice` after an insert: 1 copy forward, 2 in grad, 4 in jvp);
         # as a value, its readers run before the next write wherever XLA can
-        # order them so (as for `.array`), and the token still orders that write
-        # after the read.
+        # order them so (as for `.array`). The token is returned unchanged: one
+        # made from the window (its first element) ordered the next write only
+        # after that element's read, not after the window's readers, and cost a
+        # kernel of its own, which after a whole-line shift (a delay line) also
+        # made XLA compute the shifted element again: a delay line's step with a
+        # whole-buffer read was 1.2x plain `lax`, 1.1x without it, with the same
+        # copies in every row of `tests/natural.py` and the corpus.
         out = storage.reshape(bshape + tuple(sizes))
-        return storage, out, _read_token(tok, out)
+        return storage, out, tok
 
     free = _free_dim(sizes, storage.shape)
     # The loop moves bits where XLA:CPU would not move the values exactly (see
@@ -290,6 +295,16 @@ def _accum_impl(storage, tok, window, *starts, ordered):
     if _touches_nothing(size, window.shape[len(bshape) :]):
         return storage, tok
     window = _flat(window, bshape)
+    if size == 1 and tuple(window.shape[1:]) == tuple(storage.shape):
+        # The whole buffer (the transpose of a whole-buffer read): written
+        # straight-line, the accumulation is a plain elementwise add, which XLA
+        # fuses into the next read of the buffer (computing the sum again there,
+        # from the old buffer) and then writes out of place, copying the result
+        # back into the loop carry: 1 copy per step under grad of
+        # `buf, w = buf.read()` after an insert. In its own single-trip loop the
+        # add is in place and the next access reads its result.
+        w = window[0]
+        return _loop(tok, 1, lambda j, s: s + w.astype(s.dtype), storage), tok_in
     olds = None
     if ordered and size != 1:  # as in `_shift`: read the old windows in a loop first
         storage, olds, tok = _read_impl(storage, tok, *starts, sizes=window.shape[1:])
@@ -474,6 +489,17 @@ def _reduce_readable(storage, size: int, axis: int) -> bool:
     )
 
 
+def _line_pair(storage, size: int, axis: int) -> int | None:
+    """The dimension along which an unbatched shift of one line of two (a
+    `(2, n)` buffer) reads its line through a reduction (`window_by_reduce`), if
+    it can: a real or bool dtype, and lines of at least 2 elements."""
+    if size != 1 or axis < 1 or _windowed(storage, size, axis):
+        return None
+    if jnp.issubdtype(storage.dtype, jnp.complexfloating) or storage.shape[axis] < 2:
+        return None
+    return _pair_dim(_line_sizes(storage.shape, axis), storage.shape)
+
+
 def _pop_impl(storage, tok, *idx, axis, fill, read, ordered):
     storage, removed = _pop_edit(storage, tok, idx, axis, fill, read, ordered)
     return storage, removed, tok
@@ -497,6 +523,26 @@ def _pop_edit(storage, tok, idx, axis, fill, read, ordered):
             ix = _element(idx, j)
             s, line = window2_edit(state[0], ix, axis, new_line, reduce_line=True)
             return s, lax.dynamic_index_in_dim(line, ix[-1], 0, keepdims=False)
+
+        vshape = storage.shape[axis + 1 :]
+        state = (storage, jnp.zeros(vshape, storage.dtype))
+        storage, removed = _write(tok, size, body, state, idx)
+        return storage, removed.reshape(bshape + vshape)
+    pair = _line_pair(storage, size, axis)
+    if pair is not None:
+        # One line of two: read the line through a reduction over both lines
+        # (`window_by_reduce`), take the removed element out of that value, and
+        # write the line, straight-line (as `window2_edit` with `reduce_line`).
+        # Reading the removed element through a reduction of its own first, as
+        # for a single line below, cost one more kernel per pop.
+        def body(j, state, idx):
+            ix = _element(idx, j)
+            s = state[0]
+            start = _line_start(ix, s.ndim)
+            line, _ = window_by_reduce(s, start, _line_sizes(s.shape, axis), pair)
+            line = line.reshape(s.shape[axis:])
+            out = _write_line(s, start, new_line(j, line, ix[-1]), axis)
+            return out, lax.dynamic_index_in_dim(line, ix[-1], 0, keepdims=False)
 
         vshape = storage.shape[axis + 1 :]
         state = (storage, jnp.zeros(vshape, storage.dtype))

@@ -105,6 +105,19 @@ def _delay_taps(ops, b, x, p):
     return b, y
 
 
+def _ring_taps(ops, b, x, p):
+    """`_delay_taps` in a ring: frame `t` is written at row `t % K` (O(frame), where
+    `insert(0, x)` shifts the whole buffer), and tap `k` reads row `(t - k) % K`."""
+    k, d = ops.shape(b)
+    t = x["t"]
+    b = ops.dynamic_update_slice(b, _frame(p, x, d)[None], (t % k, jnp.int32(0)))
+    y = _zero()
+    for tap in TAPS:
+        b, w = ops.read(b, ((t - min(tap, k - 1)) % k, jnp.int32(0)), (1, d))
+        y = y + jnp.tanh(p["s"] * w).sum()
+    return b, y
+
+
 def _whole_ds(how):
     def step(ops, b, x, p):
         n, m = ops.shape(b)
@@ -144,6 +157,20 @@ def _cond_stack(ops, b, x, p):
         return b, (top * p["s"]).sum()
 
     return lax.cond(x["v"] > 0.5, push, pop, b)
+
+
+def _select_stack(ops, b, x, p):
+    """`_cond_stack` without a `lax.cond` on the buffer: both edits every step, the
+    one not chosen sent to a spare stack (the buffer's last), chosen by `where` on
+    the stack index, and the output chosen by `where` on the value."""
+    f = jnp.tanh(p["s"] * x["v"] + jnp.arange(F, dtype=jnp.float32))
+    zero = jnp.zeros_like(x["c"][0])
+    push = x["v"] > 0.5
+    spare = ops.shape(b)[0] - 1
+    r = x["r"][0]
+    b = ops.insert(b, (jnp.where(push, r, spare), zero), f)
+    b, top = ops.pop(b, (jnp.where(push, spare, r), zero))
+    return b, jnp.where(push, _zero(), (top * p["s"]).sum())
 
 
 def _checkpointed(f, init, xs):
@@ -227,6 +254,16 @@ ROWS = (
         1024,
     ),
     Row(
+        "ring_taps",
+        "the delay_taps step as a ring (1024, 32): write row t % K, taps read "
+        "(t - k) % K (the O(frame) alternative to insert(0, x))",
+        _ring_taps,
+        (1024, 32),
+        0,
+        1,
+        1024,
+    ),
+    Row(
         "one_line",
         "one line (1, 4096), traced insert + pop",
         _insert_pop(_traced("r", 0), _traced("c", 0), _traced("r", 1), _traced("c", 1)),
@@ -294,6 +331,16 @@ ROWS = (
         "stack (64, 64, 8), push or pop chosen by lax.cond",
         _cond_stack,
         (64, 64, F),
+        1,
+        64,
+        64,
+    ),
+    Row(
+        "select_stack",
+        "the cond_stack step without lax.cond: both edits, the unchosen one on a "
+        "spare stack (64 + 1, 64, 8)",
+        _select_stack,
+        (65, 64, F),
         1,
         64,
         64,

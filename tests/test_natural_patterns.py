@@ -13,8 +13,9 @@ from . import natural
 
 
 # (row, mode) pairs with 0 per-step copies. Rows that copy as plain `lax` does (the
-# delay line, whose line is the whole buffer; a `lax.cond` on the carry) are not here:
-# see the README's known limits.
+# delay line, whose line is the whole buffer; a `lax.cond` on the carry; a
+# whole-buffer `dynamic_slice` under grad) are not here: see the README's known
+# limits, and their alternatives `ring_taps`, `select_stack` and `whole_read`.
 IN_PLACE = [
     ("pyint", "fwd"),
     ("pyint", "grad"),
@@ -25,10 +26,17 @@ IN_PLACE = [
     ("one_d", "grad"),
     ("one_d", "jvp"),
     ("two_lines", "grad"),
+    ("two_lines", "jvp"),
     ("whole_ds", "fwd"),
     ("whole_ds", "jvp"),
+    ("whole_read", "grad"),
+    ("whole_array", "grad"),
+    ("whole_array", "vmap(grad)"),
     ("stack", "jvp(vmap)"),
     ("stack_scan", "grad"),
+    ("select_stack", "grad"),
+    ("select_stack", "vmap(grad)"),
+    ("ring_taps", "grad"),
 ]
 
 
@@ -39,7 +47,18 @@ def test_no_per_iteration_copies(row, mode):
 
 
 @pytest.mark.parametrize(
-    "row", ["pyint", "one_line", "one_d", "two_lines", "whole_ds", "delay_taps"]
+    "row",
+    [
+        "pyint",
+        "one_line",
+        "one_d",
+        "two_lines",
+        "whole_ds",
+        "whole_array",
+        "delay_taps",
+        "ring_taps",
+        "select_stack",
+    ],
 )
 def test_values_and_gradients_match_plain_lax(row):
     r = natural.ROWS_BY_NAME[row]
