@@ -95,8 +95,9 @@ class ShiftBuffer(eqx.Module):
         self._storage = arr
         self.axis = _ops.normalise_axis(axis, arr.ndim)
         self.fill = _ops.check_fill(fill, arr.dtype)
-        self._error = jnp.zeros((), jnp.float32)
-        self._token = new_token()
+        zero = _ops.zero_from(arr)
+        self._error = zero if zero is not None else jnp.zeros((), jnp.float32)
+        self._token = zero if zero is not None else new_token()
 
     def _replace(self, storage: Any, error: Any, token: Any) -> "ShiftBuffer":
         """This buffer with new leaves (same axis and fill): what an operation
