@@ -81,6 +81,7 @@ from jax.interpreters import ad, batching, mlir
 from ._xla import (
     from_carrier,
     loop_not_unrolled,
+    on_several_devices,
     lowered_without_explicit_shardings,
     opaque_zero,
     run_time_indices,
@@ -559,8 +560,14 @@ def _define(name: str, impl: Callable, abstract: Callable, n_arrays: int) -> Pri
         )
     )
     p.def_abstract_eval(abstract)
-    lowered = split_over_devices(run_time_indices(impl, n_arrays), n_arrays)
-    lowering = mlir.lower_fun(lowered, multiple_results=True)
+    lowered = run_time_indices(impl, n_arrays)
+    plain = mlir.lower_fun(lowered, multiple_results=True)
+    split = mlir.lower_fun(split_over_devices(lowered, n_arrays), multiple_results=True)
+
+    def lowering(ctx, *args, **params):
+        many = params["nbatch"] > 0 and on_several_devices(ctx)
+        return (split if many else plain)(ctx, *args, **params)
+
     mlir.register_lowering(p, lowered_without_explicit_shardings(lowering))
     return p
 

@@ -491,6 +491,21 @@ def split_over_devices(lowered: Callable, n_arrays: int) -> Callable:
     return rule
 
 
+def on_several_devices(ctx) -> bool:
+    """Whether the program being lowered (an MLIR lowering context) is partitioned
+    over several devices by XLA, outside any `shard_map`: then a batched access
+    must be split (`split_over_devices`). Not when lowered for no devices (an
+    export or a `.lower` without them) or inside a `shard_map`, where the values
+    are each device's own."""
+    from jax._src import sharding_impls
+
+    axis_context = ctx.module_context.axis_context
+    if not isinstance(axis_context, sharding_impls.ShardingContext):
+        return False
+    devices = axis_context.device_assignment
+    return devices is not None and len(devices) > 1
+
+
 def _local_positions(xs, n_arrays: int, nbatch: int) -> list:
     """The operands, the first `nbatch` index operands replaced by the batch
     positions of this device's shard (iotas along the batch dimensions)."""
