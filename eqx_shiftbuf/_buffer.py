@@ -102,7 +102,7 @@ class ShiftBuffer(eqx.Module):
     fill: bool | int | float = eqx.field(static=True)
     # The deferred index error: 0, or the code of the first bad edit's message (see
     # `_ops.deferred_code`), as a float32 scalar (one per buffer in a batch).
-    _error: Array
+    _error: Array | np.ndarray
     # The token of the last access (see `_primitives`, "Binding helpers"): a float32
     # run-time zero that the next access waits for (one per buffer in a batch).
     _token: Array
@@ -122,16 +122,20 @@ class ShiftBuffer(eqx.Module):
         self._storage = arr
         self.axis = _ops.normalise_axis(axis, arr.ndim)
         self.fill = _ops.check_fill(fill, arr.dtype)
-        # A NumPy zero, not `jnp.zeros`: inside `jit` that would be a tracer, and a
-        # read could not tell that no edit ever recorded an error. `lax.scan`
-        # returns a carry that its body passes through unchanged as the very
-        # object it was given, so after edits that record nothing
-        # (`promise_in_bounds`) the record is still this constant, and `.array`
-        # adds no check: a check is a host callback, an effect, and a program
-        # with one leaves JAX's C++ dispatch path (about 0.15 ms per call on
-        # XLA:CPU, which doubled the time of a 100-step scan on a small buffer).
-        self._error = np.zeros((), np.float32)
-        self._token = new_token()
+        # Under `jax.vmap` or inside a `shard_map`, the record and token are made
+        # from the storage (`_ops.zero_from`), so that they are batched, sharded
+        # and varying as it is. Otherwise the record is a NumPy zero, not
+        # `jnp.zeros`: inside `jit` that would be a tracer, and a read could not
+        # tell that no edit ever recorded an error. `lax.scan` returns a carry
+        # that its body passes through unchanged as the very object it was given,
+        # so after edits that record nothing (`promise_in_bounds`) the record is
+        # still this constant, and `.array` adds no check: a check is a host
+        # callback, an effect, and a program with one leaves JAX's C++ dispatch
+        # path (a fixed cost per call that doubled the time of a 100-step scan on
+        # a small buffer).
+        zero = _ops.zero_from(arr)
+        self._error = zero if zero is not None else np.zeros((), np.float32)
+        self._token = zero if zero is not None else new_token()
 
     def _replace(self, storage: Any, error: Any, token: Any) -> "ShiftBuffer":
         """This buffer with new leaves (same axis and fill): what an operation

@@ -26,7 +26,7 @@ from jax.core import Tracer
 from jaxtyping import ArrayLike, Int
 
 from . import _primitives as P
-from ._xla import check_on_the_side, keep_alive
+from ._xla import check_on_the_side, invariant, keep_alive, varying_axes
 
 
 Index = Union[int, Int[ArrayLike, ""]]
@@ -207,6 +207,39 @@ def _may_be_set(error: Any) -> bool:
     return bool(np.any(np.asarray(error) != 0))
 
 
+def zero_from(arr: Any) -> jax.Array | None:
+    """A float32 zero computed from `arr` (a zero-size slice of it, summed), or
+    None when `arr` needs none: the initial error record and token of a buffer made
+    under `jax.vmap` or inside a `shard_map`.
+
+    A constant zero there is one record for the whole batch, or one not varying
+    over the `shard_map`'s axes, while every edit makes them per element: the
+    leaves of a batch would then be sharded unlike its storage (`jax.vmap` refuses
+    such inputs on an explicit mesh) and a `lax.scan` carry would change its
+    varying axes (`shard_map`'s checks refuse it). Derived from the storage they
+    are batched, sharded and varying as it is. XLA folds the sum to a constant.
+    """
+    if not isinstance(arr, Tracer):
+        return None
+    batched = type(arr).__name__ == "BatchTracer"  # under `jax.vmap`
+    if not batched and not varying_axes(arr):
+        return None
+    empty = lax.slice_in_dim(arr, 0, 0, axis=arr.ndim - 1)
+    if jnp.issubdtype(empty.dtype, jnp.complexfloating):
+        empty = jnp.real(empty)
+    return jnp.sum(lax.convert_element_type(empty, jnp.float32))
+
+
+def _first_set(error: jax.Array) -> jax.Array:
+    """The record of the first buffer (in flattened batch order) of a batch of
+    records that has one (0 if none has), by reductions only: no element is sliced
+    out of the batch, whose dimensions may be sharded over devices."""
+    n = math.prod(error.shape)
+    pos = jnp.arange(n, dtype=jnp.int32).reshape(error.shape)
+    first = jnp.min(jnp.where(error != 0, pos, n))
+    return jnp.sum(jnp.where(pos == first, error, jnp.zeros((), error.dtype)))
+
+
 def _code_index(error: Any) -> jax.Array:
     """The index of a (nonzero) record's message among the codes: its code - 1."""
     return jnp.clip(error.astype(jnp.int32) - 1, 0, _MAX_CODE - 1)
@@ -224,8 +257,7 @@ def raise_deferred(
     if not _may_be_set(error):
         return storage
     if batch_shape:
-        flat = jnp.reshape(error, (-1,))
-        error = flat[jnp.argmax(flat != 0)]
+        error = _first_set(error)
     # Messages are decoded against the shape of one buffer of the batch.
     msgs = _DeferredMessages((), storage.shape[len(batch_shape) :])
     pred, index = error != 0, _code_index(error)
@@ -314,7 +346,8 @@ def _raise_traced(
     # added to each traced index (to every index when none is traced but a recorded
     # error is). Passing the indices themselves through the conditional makes XLA
     # materialise each one as a scalar kernel of its own before it.
-    tok = eqx.branched_error_if(any_bad.astype(jnp.int32), any_bad, index, msgs)
+    tok = any_bad.astype(jnp.int32)
+    tok = eqx.branched_error_if(invariant(tok), any_bad, index, msgs)
     if empty:
         keep_alive(tok)
     for k in traced or range(len(values)):

@@ -81,9 +81,13 @@ from jax.interpreters import ad, batching, mlir
 from ._xla import (
     from_carrier,
     loop_not_unrolled,
+    lowered_without_explicit_shardings,
+    on_several_devices,
     opaque_zero,
     run_time_indices,
+    split_over_devices,
     to_carrier,
+    varying_axes_of_aval,
     widened_write,
     window2_edit,
     window_by_reduce,
@@ -214,7 +218,7 @@ def _reduce_read(storage, size: int, sizes: Sequence[int]) -> int | None:
     return _pair_dim(sizes, storage.shape)
 
 
-def _read_impl(storage, tok, *starts, sizes):
+def _read_impl(storage, tok, *starts, sizes, nbatch=0):
     bshape, size = _batch_size(starts)
     if _touches_nothing(size, sizes):
         out = jnp.zeros(bshape + tuple(sizes), storage.dtype)
@@ -280,16 +284,29 @@ def _read_impl(storage, tok, *starts, sizes):
     return from_carrier(storage, dtype), out, tok
 
 
-def _read_abstract(storage, tok, *starts, sizes):
+def _batch_aval(storage, shape, dtype, nbatch: int) -> ShapedArray:
+    """The type of a window or removed elements of `storage` (an aval): batched,
+    sharded and varying over `shard_map` axes as the storage is. Its `nbatch`
+    leading dimensions are the storage's batch dimensions."""
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    sharding = storage.sharding
+    spec = tuple(sharding.spec)[:nbatch]
+    spec = (spec + (None,) * len(shape))[: len(shape)]
+    sharding = NamedSharding(sharding.mesh, PartitionSpec(*spec))
+    return storage.update(shape=tuple(shape), dtype=dtype, sharding=sharding)
+
+
+def _read_abstract(storage, tok, *starts, sizes, nbatch):
     bshape = tuple(starts[0].shape) if starts else ()
     return (
         storage,
-        ShapedArray(bshape + tuple(sizes), storage.dtype),
+        _batch_aval(storage, bshape + tuple(sizes), storage.dtype, nbatch),
         tok,
     )
 
 
-def _accum_impl(storage, tok, window, *starts, ordered):
+def _accum_impl(storage, tok, window, *starts, ordered, nbatch=0):
     tok_in = tok
     bshape, size = _batch_size(starts)
     if _touches_nothing(size, window.shape[len(bshape) :]):
@@ -322,11 +339,11 @@ def _accum_impl(storage, tok, window, *starts, ordered):
     return _write(tok, size, body, storage, starts, at), tok_in
 
 
-def _accum_abstract(storage, tok, window, *starts, ordered):
+def _accum_abstract(storage, tok, window, *starts, ordered, nbatch):
     return storage, tok
 
 
-def _swap_impl(storage, tok, update, *starts, read):
+def _swap_impl(storage, tok, update, *starts, read, nbatch=0):
     tok_in = tok
     bshape, size = _batch_size(starts)
     if _touches_nothing(size, update.shape[len(bshape) :]):
@@ -352,8 +369,8 @@ def _swap_impl(storage, tok, update, *starts, read):
     return storage, old.reshape(bshape + update.shape[1:]), tok_in
 
 
-def _swap_abstract(storage, tok, update, *starts, read):
-    return storage, ShapedArray(update.shape, update.dtype), tok
+def _swap_abstract(storage, tok, update, *starts, read, nbatch):
+    return storage, _batch_aval(storage, update.shape, update.dtype, nbatch), tok
 
 
 # ---------------------------------------------------------------------------
@@ -461,7 +478,7 @@ def _shift(storage, tok, idx, axis, new_line, ordered, want_lines=False):
     return _write(tok, size, body, storage, idx), lines
 
 
-def _insert_impl(storage, tok, value, *idx, axis, ordered):
+def _insert_impl(storage, tok, value, *idx, axis, ordered, nbatch=0):
     bshape, size = _batch_size(idx)
     if _touches_nothing(size, storage.shape):
         return storage, tok
@@ -470,7 +487,7 @@ def _insert_impl(storage, tok, value, *idx, axis, ordered):
     return _shift(storage, tok, idx, axis, new_line, ordered)[0], tok
 
 
-def _insert_abstract(storage, tok, value, *idx, axis, ordered):
+def _insert_abstract(storage, tok, value, *idx, axis, ordered, nbatch):
     return storage, tok
 
 
@@ -500,7 +517,7 @@ def _line_pair(storage, size: int, axis: int) -> int | None:
     return _pair_dim(_line_sizes(storage.shape, axis), storage.shape)
 
 
-def _pop_impl(storage, tok, *idx, axis, fill, read, ordered):
+def _pop_impl(storage, tok, *idx, axis, fill, read, ordered, nbatch=0):
     storage, removed = _pop_edit(storage, tok, idx, axis, fill, read, ordered)
     return storage, removed, tok
 
@@ -570,10 +587,10 @@ def _pop_edit(storage, tok, idx, axis, fill, read, ordered):
     return storage, removed.reshape(bshape + storage.shape[axis + 1 :])
 
 
-def _pop_abstract(storage, tok, *idx, axis, fill, read, ordered):
+def _pop_abstract(storage, tok, *idx, axis, fill, read, ordered, nbatch):
     bshape = tuple(idx[0].shape)
     vshape = storage.shape[axis + 1 :]
-    return storage, ShapedArray(bshape + vshape, storage.dtype), tok
+    return storage, _batch_aval(storage, bshape + vshape, storage.dtype, nbatch), tok
 
 
 # ---------------------------------------------------------------------------
@@ -590,7 +607,14 @@ def _define(name: str, impl: Callable, abstract: Callable, n_arrays: int) -> Pri
     )
     p.def_abstract_eval(abstract)
     lowered = run_time_indices(impl, n_arrays)
-    mlir.register_lowering(p, mlir.lower_fun(lowered, multiple_results=True))
+    plain = mlir.lower_fun(lowered, multiple_results=True)
+    split = mlir.lower_fun(split_over_devices(lowered, n_arrays), multiple_results=True)
+
+    def lowering(ctx, *args, **params):
+        many = params["nbatch"] > 0 and on_several_devices(ctx)
+        return (split if many else plain)(ctx, *args, **params)
+
+    mlir.register_lowering(p, lowered_without_explicit_shardings(lowering))
     return p
 
 
@@ -643,33 +667,46 @@ def _needs_order(storage, ordered: bool) -> bool:
     return ordered or _written_by_a_write(storage)
 
 
-def bind_read(storage, tok, starts, sizes):
-    """`(storage, window, token)`."""
-    return read_p.bind(storage, tok, *starts, sizes=tuple(sizes))
+def bind_read(storage, tok, starts, sizes, nbatch=0):
+    """`(storage, window, token)`.
+
+    `nbatch` (every helper here): how many leading dimensions of the storage are
+    batch dimensions, each indexed by its batch position (`_batch_common`), which
+    a sharded program splits over devices (`_partitioned`)."""
+    return read_p.bind(storage, tok, *starts, sizes=tuple(sizes), nbatch=nbatch)
 
 
-def bind_accum(storage, tok, window, starts, ordered=False):
+def bind_accum(storage, tok, window, starts, ordered=False, nbatch=0):
     """`(storage, token)`."""
     ordered = _needs_order(storage, ordered)
-    return accum_p.bind(storage, tok, window, *starts, ordered=ordered)
+    return accum_p.bind(storage, tok, window, *starts, ordered=ordered, nbatch=nbatch)
 
 
-def bind_swap(storage, tok, update, starts, read=True):
+def bind_swap(storage, tok, update, starts, read=True, nbatch=0):
     """`(storage, old window, token)`."""
-    return swap_p.bind(storage, tok, update, *starts, read=read)
+    return swap_p.bind(storage, tok, update, *starts, read=read, nbatch=nbatch)
 
 
-def bind_insert(storage, tok, value, idx, axis, ordered=False):
+def bind_insert(storage, tok, value, idx, axis, ordered=False, nbatch=0):
     """`(storage, token)`."""
     ordered = _needs_order(storage, ordered)
-    return insert_p.bind(storage, tok, value, *idx, axis=axis, ordered=ordered)
+    return insert_p.bind(
+        storage, tok, value, *idx, axis=axis, ordered=ordered, nbatch=nbatch
+    )
 
 
-def bind_pop(storage, tok, idx, axis, fill, read=True, ordered=False):
+def bind_pop(storage, tok, idx, axis, fill, read=True, ordered=False, nbatch=0):
     """`(storage, removed, token)`."""
     ordered = _needs_order(storage, ordered)
     return pop_p.bind(
-        storage, tok, *idx, axis=axis, fill=fill, read=read, ordered=ordered
+        storage,
+        tok,
+        *idx,
+        axis=axis,
+        fill=fill,
+        read=read,
+        ordered=ordered,
+        nbatch=nbatch,
     )
 
 
@@ -689,7 +726,11 @@ def _zero_tangent(x):
 
 
 def _zeros_like_aval(x):
-    return jnp.zeros(x.shape, x.dtype)
+    """Zeros of the type `x` (an aval or array): inside a `shard_map`, varying over
+    the same axes, as its checks require of a tangent or cotangent."""
+    z = jnp.zeros(x.shape, x.dtype)
+    axes = tuple(sorted(varying_axes_of_aval(x)))
+    return jax.lax.pcast(z, axes, to="varying") if axes else z
 
 
 def _inst(t, primal):
@@ -700,58 +741,73 @@ def _all_zero(*ts):
     return all(type(t) is ad.Zero for t in ts)
 
 
-def _read_jvp(primals, tangents, *, sizes):
+def _read_jvp(primals, tangents, *, sizes, nbatch):
     storage, tok, *starts = primals
-    out = read_p.bind(storage, tok, *starts, sizes=sizes)
+    out = read_p.bind(storage, tok, *starts, sizes=sizes, nbatch=nbatch)
     ts, tt = tangents[0], tangents[1]
     if type(ts) is ad.Zero:
         return out, [_zero_tangent(out[0]), _zero_tangent(out[1]), tt]
-    return out, list(bind_read(ts, _inst(tt, tok), starts, sizes))
+    return out, list(bind_read(ts, _inst(tt, tok), starts, sizes, nbatch))
 
 
-def _accum_jvp(primals, tangents, *, ordered):
+def _accum_jvp(primals, tangents, *, ordered, nbatch):
     storage, tok, window, *starts = primals
-    out = accum_p.bind(storage, tok, window, *starts, ordered=ordered)
+    out = accum_p.bind(storage, tok, window, *starts, ordered=ordered, nbatch=nbatch)
     ts, tt, tw = tangents[0], tangents[1], tangents[2]
     if _all_zero(ts, tw):
         return out, [_zero_tangent(out[0]), tt]
     t_out = bind_accum(
-        _inst(ts, storage), _inst(tt, tok), _inst(tw, window), starts, ordered
+        _inst(ts, storage), _inst(tt, tok), _inst(tw, window), starts, ordered, nbatch
     )
     return out, list(t_out)
 
 
-def _swap_jvp(primals, tangents, *, read):
+def _swap_jvp(primals, tangents, *, read, nbatch):
     storage, tok, update, *starts = primals
-    out = swap_p.bind(storage, tok, update, *starts, read=read)
+    out = swap_p.bind(storage, tok, update, *starts, read=read, nbatch=nbatch)
     ts, tt, tu = tangents[0], tangents[1], tangents[2]
     if _all_zero(ts, tu):
         return out, [_zero_tangent(out[0]), _zero_tangent(out[1]), tt]
     ts, tu = _inst(ts, storage), _inst(tu, update)
-    return out, list(bind_swap(ts, _inst(tt, tok), tu, starts, read))
+    return out, list(bind_swap(ts, _inst(tt, tok), tu, starts, read, nbatch))
 
 
-def _insert_jvp(primals, tangents, *, axis, ordered):
+def _insert_jvp(primals, tangents, *, axis, ordered, nbatch):
     storage, tok, value, *idx = primals
-    out = insert_p.bind(storage, tok, value, *idx, axis=axis, ordered=ordered)
+    out = insert_p.bind(
+        storage, tok, value, *idx, axis=axis, ordered=ordered, nbatch=nbatch
+    )
     ts, tt, tv = tangents[0], tangents[1], tangents[2]
     if _all_zero(ts, tv):
         return out, [_zero_tangent(out[0]), tt]
     t_out = bind_insert(
-        _inst(ts, storage), _inst(tt, tok), _inst(tv, value), idx, axis, ordered
+        _inst(ts, storage),
+        _inst(tt, tok),
+        _inst(tv, value),
+        idx,
+        axis,
+        ordered,
+        nbatch,
     )
     return out, list(t_out)
 
 
-def _pop_jvp(primals, tangents, *, axis, fill, read, ordered):
+def _pop_jvp(primals, tangents, *, axis, fill, read, ordered, nbatch):
     storage, tok, *idx = primals
     out = pop_p.bind(
-        storage, tok, *idx, axis=axis, fill=fill, read=read, ordered=ordered
+        storage,
+        tok,
+        *idx,
+        axis=axis,
+        fill=fill,
+        read=read,
+        ordered=ordered,
+        nbatch=nbatch,
     )
     ts, tt = tangents[0], tangents[1]
     if type(ts) is ad.Zero:
         return out, [_zero_tangent(out[0]), _zero_tangent(out[1]), tt]
-    t_out = bind_pop(ts, _inst(tt, tok), idx, axis, 0, read, ordered)
+    t_out = bind_pop(ts, _inst(tt, tok), idx, axis, 0, read, ordered, nbatch)
     return out, list(t_out)
 
 
@@ -772,7 +828,7 @@ ad.primitive_jvps[pop_p] = _pop_jvp
 
 def _ct_or_zeros(ct, aval):
     if type(ct) is ad.Zero:
-        return jnp.zeros(aval.shape, aval.dtype)
+        return _zeros_like_aval(aval)
     return ct
 
 
@@ -785,30 +841,30 @@ def _tok_ct(tok, ct):
     return ct if ad.is_undefined_primal(tok) else None
 
 
-def _read_transpose(cts, storage, tok, *starts, sizes):
+def _read_transpose(cts, storage, tok, *starts, sizes, nbatch):
     ct_s, ct_w, ct_t = cts
     if _all_zero(ct_s, ct_w):
         return [ad.Zero(_aval(storage)), _tok_ct(tok, ct_t)] + [None] * len(starts)
     ct_s = _ct_or_zeros(ct_s, _aval(storage))
     t = _ct_or_zeros(ct_t, _aval(tok))
     if type(ct_w) is not ad.Zero:
-        ct_s, t = bind_accum(ct_s, t, ct_w, starts)
+        ct_s, t = bind_accum(ct_s, t, ct_w, starts, nbatch=nbatch)
     return [ct_s, _tok_ct(tok, t)] + [None] * len(starts)
 
 
-def _accum_transpose(cts, storage, tok, window, *starts, ordered):
+def _accum_transpose(cts, storage, tok, window, *starts, ordered, nbatch):
     ct_s, ct_t = cts
     if type(ct_s) is ad.Zero:
         return [ct_s, _tok_ct(tok, ct_t), ad.Zero(_aval(window))] + [None] * len(starts)
     sizes = _aval(window).shape[len(starts[0].shape) :]
     t = _ct_or_zeros(ct_t, _aval(tok))
-    ct_s, ct_w, t = bind_read(ct_s, t, starts, sizes)
+    ct_s, ct_w, t = bind_read(ct_s, t, starts, sizes, nbatch)
     ct_st = ct_s if ad.is_undefined_primal(storage) else None
     ct_wt = ct_w if ad.is_undefined_primal(window) else None
     return [ct_st, _tok_ct(tok, t), ct_wt] + [None] * len(starts)
 
 
-def _swap_transpose(cts, storage, tok, update, *starts, read):
+def _swap_transpose(cts, storage, tok, update, *starts, read, nbatch):
     ct_s, ct_old, ct_t = cts
     if _all_zero(ct_s, ct_old):
         return [
@@ -823,20 +879,20 @@ def _swap_transpose(cts, storage, tok, update, *starts, read):
         _ct_or_zeros(ct_old, _aval(update)) if read else _zeros_like_aval(_aval(update))
     )
     t = _ct_or_zeros(ct_t, _aval(tok))
-    ct_s, ct_u, t = bind_swap(ct_s, t, ct_old, starts, read=True)
+    ct_s, ct_u, t = bind_swap(ct_s, t, ct_old, starts, read=True, nbatch=nbatch)
     return [ct_s, _tok_ct(tok, t), ct_u] + [None] * len(starts)
 
 
-def _insert_transpose(cts, storage, tok, value, *idx, axis, ordered):
+def _insert_transpose(cts, storage, tok, value, *idx, axis, ordered, nbatch):
     ct_s, ct_t = cts
     if type(ct_s) is ad.Zero:
         return [ct_s, _tok_ct(tok, ct_t), ad.Zero(_aval(value))] + [None] * len(idx)
     t = _ct_or_zeros(ct_t, _aval(tok))
-    ct_s, ct_v, t = bind_pop(ct_s, t, idx, axis, 0)
+    ct_s, ct_v, t = bind_pop(ct_s, t, idx, axis, 0, nbatch=nbatch)
     return [ct_s, _tok_ct(tok, t), ct_v] + [None] * len(idx)
 
 
-def _pop_transpose(cts, storage, tok, *idx, axis, fill, read, ordered):
+def _pop_transpose(cts, storage, tok, *idx, axis, fill, read, ordered, nbatch):
     ct_s, ct_v, ct_t = cts
     if _all_zero(ct_s, ct_v):
         return [ad.Zero(_aval(storage)), _tok_ct(tok, ct_t)] + [None] * len(idx)
@@ -844,11 +900,11 @@ def _pop_transpose(cts, storage, tok, *idx, axis, fill, read, ordered):
     ct_s = _ct_or_zeros(ct_s, s_aval)
     vshape = tuple(idx[0].shape) + s_aval.shape[axis + 1 :]
     if read:
-        ct_v = _ct_or_zeros(ct_v, ShapedArray(vshape, s_aval.dtype))
+        ct_v = _ct_or_zeros(ct_v, s_aval.update(shape=vshape))
     else:  # a delete: its `removed` output is a constant, with no cotangent
-        ct_v = jnp.zeros(vshape, s_aval.dtype)
+        ct_v = _zeros_like_aval(s_aval.update(shape=vshape))
     t = _ct_or_zeros(ct_t, _aval(tok))
-    ct_s, t = bind_insert(ct_s, t, ct_v, idx, axis)
+    ct_s, t = bind_insert(ct_s, t, ct_v, idx, axis, nbatch=nbatch)
     return [ct_s, _tok_ct(tok, t)] + [None] * len(idx)
 
 
@@ -904,39 +960,41 @@ def _batch_common(args, dims, n_leading: int, write: bool):
     return storage, tok, values, idx, storage_batched
 
 
-def _read_batch(args, dims, *, sizes):
+def _read_batch(args, dims, *, sizes, nbatch):
     storage, tok, _, idx, sb = _batch_common(args, dims, 0, write=False)
     if sb:
         sizes = (1,) + tuple(sizes)
-    s, w, t = bind_read(storage, tok, idx, sizes)
+    # A read of an unbatched storage at batched indices is not split over devices.
+    s, w, t = bind_read(storage, tok, idx, sizes, nbatch + 1 if sb else 0)
     if sb:
         w = w.reshape(w.shape[: len(idx[0].shape)] + w.shape[len(idx[0].shape) + 1 :])
     return (s, w, t), (0 if sb else None, 0, None)
 
 
-def _accum_batch(args, dims, *, ordered):
+def _accum_batch(args, dims, *, ordered, nbatch):
     storage, tok, (window,), idx, _ = _batch_common(args, dims, 1, write=True)
     nb = len(idx[0].shape)
     window = window.reshape(window.shape[:nb] + (1,) + window.shape[nb:])
-    return tuple(bind_accum(storage, tok, window, idx, ordered)), (0, None)
+    return tuple(bind_accum(storage, tok, window, idx, ordered, nbatch + 1)), (0, None)
 
 
-def _swap_batch(args, dims, *, read):
+def _swap_batch(args, dims, *, read, nbatch):
     storage, tok, (update,), idx, _ = _batch_common(args, dims, 1, write=True)
     nb = len(idx[0].shape)
     update = update.reshape(update.shape[:nb] + (1,) + update.shape[nb:])
-    s, old, t = bind_swap(storage, tok, update, idx, read)
+    s, old, t = bind_swap(storage, tok, update, idx, read, nbatch + 1)
     return (s, old.reshape(old.shape[:nb] + old.shape[nb + 1 :]), t), (0, 0, None)
 
 
-def _insert_batch(args, dims, *, axis, ordered):
+def _insert_batch(args, dims, *, axis, ordered, nbatch):
     storage, tok, (value,), idx, _ = _batch_common(args, dims, 1, write=True)
-    return tuple(bind_insert(storage, tok, value, idx, axis + 1, ordered)), (0, None)
+    out = bind_insert(storage, tok, value, idx, axis + 1, ordered, nbatch + 1)
+    return tuple(out), (0, None)
 
 
-def _pop_batch(args, dims, *, axis, fill, read, ordered):
+def _pop_batch(args, dims, *, axis, fill, read, ordered, nbatch):
     storage, tok, _, idx, _ = _batch_common(args, dims, 0, write=True)
-    out = bind_pop(storage, tok, idx, axis + 1, fill, read, ordered)
+    out = bind_pop(storage, tok, idx, axis + 1, fill, read, ordered, nbatch + 1)
     return tuple(out), (0, 0, None)
 
 

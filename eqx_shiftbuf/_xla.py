@@ -34,6 +34,7 @@ import jax
 import jax.numpy as jnp
 from equinox.internal import unvmap_any
 from jax import lax
+from jax.core import ShapedArray
 
 
 def opaque_zero(x: Any) -> jax.Array:
@@ -308,6 +309,36 @@ def keep_alive(checked: jax.Array) -> None:
     jax.debug.callback(_nothing, checked)
 
 
+def varying_axes(x: Any) -> frozenset:
+    """The `shard_map` axes that `x`'s value varies over (empty outside one)."""
+    return varying_axes_of_aval(jax.typeof(x))
+
+
+def varying_axes_of_aval(aval: Any) -> frozenset:
+    """The `shard_map` axes that values of the type `aval` vary over."""
+    vma = getattr(aval, "vma", None)
+    if vma is None:
+        vma = getattr(getattr(aval, "manual_axis_type", None), "varying", None)
+    return frozenset(vma or ())
+
+
+def invariant(x: jax.Array) -> jax.Array:
+    """`x`, or, if it varies over `shard_map` axes, a zero of its type that does
+    not: the value `equinox.branched_error_if` passes through.
+
+    Equinox's check is a `lax.cond` whose error branch returns a `pure_callback`'s
+    result, typed as not varying; with a varying operand the two branches differ in
+    type, which `shard_map`'s checks (`check_vma=True`) refuse. The operands passed
+    through are run-time zeros, used only for the data dependence on the check's
+    result, which a conditional's output has whatever it passes through.
+
+    Pinned by `tests/test_sharding.py` (`shard_map` with its default checks).
+    """
+    if not varying_axes(x):
+        return x
+    return jnp.zeros(jnp.shape(x), x.dtype)
+
+
 def check_on_the_side(error, pred, index, msgs) -> None:
     """Raise the error `error` records, through `equinox.branched_error_if`, with
     nothing depending on the check: the contents are returned as they are.
@@ -329,7 +360,8 @@ def check_on_the_side(error, pred, index, msgs) -> None:
     """
 
     def check():
-        jax.debug.callback(_nothing, eqx.branched_error_if(error, pred, index, msgs))
+        carrier = invariant(error)
+        jax.debug.callback(_nothing, eqx.branched_error_if(carrier, pred, index, msgs))
 
     lax.cond(unvmap_any(pred), check, lambda: None)
 
@@ -383,3 +415,173 @@ def _after_jvp(primals, tangents):
     # program goes on, so nothing is added to the tangent (or transposed) program.
     storage, checked = primals
     return after(storage, checked), tangents[0]
+
+
+def split_over_devices(lowered: Callable, n_arrays: int) -> Callable:
+    """`lowered` (a primitive's lowering, whose indices follow `n_arrays` array
+    operands), run by each device on its own elements when the primitive is
+    batched (its `nbatch` parameter, > 0) and the batch is sharded over devices.
+
+    Every non-scalar operand and result of a batched primitive has the `nbatch`
+    batch dimensions first, and its first `nbatch` index operands are the batch
+    positions (`_primitives._batch_common`); the token is a scalar. The batched
+    lowering loops over the batch elements, indexing the storage at each one:
+    XLA's SPMD partitioner cannot tell that element `j` of the storage is only ever
+    touched at position `j`, and all-gathers the whole storage for each dynamic
+    index (4 all-gathers of the buffer in the gradient of a vmapped insert + delete
+    scan, over 100 times slower than one device). As a `custom_partitioning`, each
+    device runs the same loop over its own elements, with its local batch
+    positions: no collective moves the buffer. On one device, or inside a
+    `shard_map`, JAX lowers it as `lowered` itself. The line and shift dimensions
+    must not be sharded (`_storage_batch_spec` raises).
+
+    Pinned by `tests/test_sharding.py` (no collective on buffer-sized operands).
+    """
+    from jax.experimental.custom_partitioning import (
+        custom_partitioning,
+        SdyShardingRule,
+    )
+    from jax.sharding import NamedSharding
+
+    def rule(*args, **params):
+        nbatch = params["nbatch"]
+        if nbatch == 0:
+            return lowered(*args, **params)
+
+        @custom_partitioning
+        def split(*xs):
+            return tuple(lowered(*xs, **params))
+
+        def local(*xs):
+            # Each device's elements are at positions 0, 1, ... of its own shard.
+            return tuple(lowered(*_local_positions(xs, n_arrays, nbatch), **params))
+
+        def shardings(mesh, spec, shapes):
+            return tuple(NamedSharding(mesh, _pad_spec(spec, s.ndim)) for s in shapes)
+
+        def infer(mesh, arg_shapes, result_shape):
+            spec = _storage_batch_spec(arg_shapes[0], nbatch)
+            return shardings(mesh, spec, jax.tree.leaves(result_shape))
+
+        def partition(mesh, arg_shapes, result_shape):
+            spec = _storage_batch_spec(arg_shapes[0], nbatch)
+            res = shardings(mesh, spec, jax.tree.leaves(result_shape))
+            return mesh, local, res, shardings(mesh, spec, arg_shapes)
+
+        def sharding_rule(mesh, operand_types, result_types):
+            # The batch dimensions are shared; the storage's others are its own,
+            # from operand to result; every other dimension is separate.
+            def mapping(t, name):
+                rank = len(t.shape)
+                if rank == 0:
+                    return ()
+                batch = tuple(f"b{d}" for d in range(nbatch))
+                return batch + tuple(f"{name}{d}" for d in range(nbatch, rank))
+
+            ops = [
+                mapping(t, f"x{i}_" if i else "s") for i, t in enumerate(operand_types)
+            ]
+            res = [
+                mapping(t, f"y{i}_" if i else "s") for i, t in enumerate(result_types)
+            ]
+            return SdyShardingRule(tuple(ops), tuple(res))  # pyright: ignore[reportArgumentType]  (tuples of factor names are what it takes)
+
+        split.def_partition(
+            partition=partition,
+            infer_sharding_from_operands=infer,
+            sharding_rule=sharding_rule,
+        )
+        return list(split(*args))
+
+    return rule
+
+
+def on_several_devices(ctx) -> bool:
+    """Whether the program being lowered (an MLIR lowering context) is partitioned
+    over several devices by XLA, outside any `shard_map`: then a batched access
+    must be split (`split_over_devices`). Not when lowered for no devices (an
+    export or a `.lower` without them) or inside a `shard_map`, where the values
+    are each device's own."""
+    from jax._src import sharding_impls
+
+    axis_context = ctx.module_context.axis_context
+    if not isinstance(axis_context, sharding_impls.ShardingContext):
+        return False
+    devices = axis_context.device_assignment
+    return devices is not None and len(devices) > 1
+
+
+def _local_positions(xs, n_arrays: int, nbatch: int) -> list:
+    """The operands, the first `nbatch` index operands replaced by the batch
+    positions of this device's shard (iotas along the batch dimensions)."""
+    xs = list(xs)
+    for k in range(nbatch):
+        i = n_arrays + k
+        xs[i] = lax.broadcasted_iota(xs[i].dtype, xs[i].shape, k)
+    return xs
+
+
+def _storage_batch_spec(storage_shape, nbatch: int) -> tuple:
+    """The mesh axes that shard the storage's batch dimensions; raises if a line
+    or shift dimension is sharded."""
+    from jax.sharding import NamedSharding
+
+    sharding = getattr(storage_shape, "sharding", None)
+    if not isinstance(sharding, NamedSharding):
+        return (None,) * nbatch
+    spec = tuple(sharding.spec)
+    spec = spec + (None,) * (len(storage_shape.shape) - len(spec))
+    if any(s is not None for s in spec[nbatch:]):
+        raise ValueError(
+            "eqx_shiftbuf: a batch of buffers may be sharded over devices along its "
+            f"batch axes only; this one (shape {tuple(storage_shape.shape)}, "
+            f"{nbatch} batch axes) has the sharding {sharding.spec}, which splits "
+            "the lines or the shift axis of each buffer. Shard the batch axes "
+            "only, e.g. PartitionSpec('b') for a batch made by jax.vmap."
+        )
+    return spec[:nbatch]
+
+
+def _pad_spec(spec: tuple, ndim: int):
+    from jax.sharding import PartitionSpec
+
+    return PartitionSpec(*spec[:ndim], *((None,) * max(0, ndim - len(spec))))
+
+
+def lowered_without_explicit_shardings(lower_rule: Callable) -> Callable:
+    """An MLIR lowering rule, traced on operand and result types stripped of
+    explicit shardings.
+
+    On a mesh with explicit axes (the default of `jax.make_mesh`), the types of a
+    batch sharded over devices carry its sharding, and the lowering's `lax`
+    operations are type-checked against it: taking the first element of the
+    storage for a run-time zero (`opaque_zero`, `loop_not_unrolled`) slices a
+    sharded dimension, which JAX refuses (`ShardingTypeError`). The lowering is
+    partitioned by `split_over_devices`, each device running it on its own
+    elements, so its body needs no sharding in its types. Inside a `shard_map`
+    the types are local and kept as they are.
+    """
+
+    def rule(ctx, *args, **params):
+        if any(_explicitly_sharded(a) for a in (*ctx.avals_in, *ctx.avals_out)):
+            ctx = ctx.replace(
+                avals_in=[_unsharded(a) for a in ctx.avals_in],
+                avals_out=[_unsharded(a) for a in ctx.avals_out],
+            )
+        return lower_rule(ctx, *args, **params)
+
+    return rule
+
+
+def _explicitly_sharded(aval) -> bool:
+    sharding = getattr(aval, "sharding", None)
+    mesh = getattr(sharding, "mesh", None)
+    if mesh is None or mesh.empty or getattr(mesh, "manual_axes", ()):
+        return False
+    return any(s is not None for s in sharding.spec)  # pyright: ignore[reportOptionalMemberAccess]  (a mesh implies a sharding)
+
+
+def _unsharded(aval):
+    if not _explicitly_sharded(aval):
+        return aval
+    return ShapedArray(aval.shape, aval.dtype, aval.weak_type)
