@@ -267,7 +267,7 @@ class ShiftBuffer(eqx.Module):
             # With `promise_in_bounds`, as for a window read, no recorded error is
             # raised: inside a loop the record is a traced carry, and its check a
             # host callback (an effect), which takes the whole program off JAX's
-            # C++ dispatch path (about 0.15 ms per call).
+            # C++ dispatch path (a fixed cost per call).
             storage = self.array if mode is None else self._storage
             if self.batch_shape or self.ndim == 0:
                 return self._replace(storage, self._error, self._token), storage

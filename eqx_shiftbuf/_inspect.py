@@ -334,15 +334,15 @@ _HINT_INSERTED = (
     "XLA inserted this copy; no JAX op produced it directly. It keeps the old value "
     "of the buffer alive past a write: a read of the buffer (before the write) that "
     "is used after it, or two edited versions of the buffer selected between "
-    "(a `lax.cond`/`select` on the carry, see DESIGN 'lax.cond', jax#38145: write "
+    "(a `lax.cond`/`select` on the carry, jax#38145: write "
     "the branch with `jnp.where`)."
 )
 _HINT_SELECT = (
     "XLA inserted this copy; no JAX op produced it directly. The carried buffer "
     "goes through a select between two edited versions of it, so each edit works "
     "on its own copy: a `lax.cond` on the carry (which `vmap` turns into both "
-    "branches and a select) or `jnp.where` between two edited buffers. See DESIGN "
-    "'lax.cond' (jax#38145): select the edit's index and values with `jnp.where` "
+    "branches and a select) or `jnp.where` between two edited buffers (jax#38145; "
+    "the README's known limits): select the edit's index and values with `jnp.where` "
     "and edit the buffer once."
 )
 _HINT_OUT_OF_PLACE = (

@@ -242,9 +242,9 @@ def _read_impl(storage, tok, *starts, sizes, nbatch=0):
         # made from the window (its first element) ordered the next write only
         # after that element's read, not after the window's readers, and cost a
         # kernel of its own, which after a whole-line shift (a delay line) also
-        # made XLA compute the shifted element again: a delay line's step with a
-        # whole-buffer read was 1.2x plain `lax`, 1.1x without it, with the same
-        # copies in every row of `tests/natural.py` and the corpus.
+        # made XLA compute the shifted element again (a delay line's step with a
+        # whole-buffer read was slower than plain `lax` with it), with the same
+        # copies in every row of `tests/natural.py` and the corpus without it.
         out = storage.reshape(bshape + tuple(sizes))
         return storage, out, tok
 

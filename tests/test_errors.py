@@ -185,8 +185,8 @@ def test_a_reads_own_bad_index_is_named_before_a_recorded_error(read_bad):
 
 def test_a_checked_read_chooses_its_message_without_a_reduction():
     # Which message to raise is chosen with scalar `where`s: `argmax` over the
-    # stacked flags is a variadic reduction that XLA:CPU runs at about 0.4 us, every
-    # step of a loop (benchmarks/README.md, the pop body).
+    # stacked flags is a variadic reduction, a kernel of its own that XLA:CPU runs
+    # every step of a loop (as costly as a small edit).
     def step(x, r, c):
         sb = esb.ShiftBuffer.from_array(x).insert((r, c), 1.0)  # records an error
         return sb.pop((r, c))[1] + sb.dynamic_slice((r, c), (1, 1))[0, 0]
