@@ -18,6 +18,9 @@ its docstring says what XLA does without it and which test fails if it goes:
 | `keep_alive` | removes a check whose result only zero-size values use |
 | `check_on_the_side` | copies the buffer through the check's conditional every step |
 | `after` | removes a check no output depends on |
+| `invariant` | (JAX, not XLA) `shard_map`'s checks refuse a varying value in Equinox's check |
+| `split_over_devices` | gathers the whole sharded batch to loop over its elements |
+| `lowered_without_explicit_shardings` | (JAX) refuses the lowering's slices of a sharded dimension |
 
 These behaviours were measured on XLA:CPU with jaxlib 0.10.x (the pinned range in
 `pyproject.toml`); the tests named in each docstring are what tells if a new XLA
@@ -560,6 +563,8 @@ def lowered_without_explicit_shardings(lower_rule: Callable) -> Callable:
     partitioned by `split_over_devices`, each device running it on its own
     elements, so its body needs no sharding in its types. Inside a `shard_map`
     the types are local and kept as they are.
+
+    Pinned by `tests/test_sharding.py` (the explicit mesh).
     """
 
     def rule(ctx, *args, **params):
