@@ -254,11 +254,7 @@ class ShiftBuffer(eqx.Module):
     ) -> tuple["ShiftBuffer", Array]:
         """Read a window (or, with no arguments, the whole contents) and return the
         buffer to carry on with: `(buffer, window)`. See [`eqx_shiftbuf.read`][]."""
-        if (start_indices is None) != (slice_sizes is None):
-            raise TypeError(
-                "esb.read: give both `start_indices` and `slice_sizes` (a window), "
-                "or neither (the whole contents)."
-            )
+        _ops.check_window_args(start_indices, slice_sizes)
         if start_indices is None:
             if mode not in _ops.MODES:
                 raise ValueError(

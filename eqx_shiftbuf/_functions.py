@@ -180,11 +180,7 @@ def read(
     """
     if isinstance(x, (ShiftBuffer, WriteOnceBuffer)):
         return x.read(start_indices, slice_sizes, mode=mode)
-    if (start_indices is None) != (slice_sizes is None):
-        raise TypeError(
-            "esb.read: give both `start_indices` and `slice_sizes` (a window), or "
-            "neither (the whole contents)."
-        )
+    _ops.check_window_args(start_indices, slice_sizes)
     arr = _plain(x, "read")
     if start_indices is None:
         return (x if _is_eqx(x) else arr), arr

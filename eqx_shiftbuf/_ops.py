@@ -432,6 +432,16 @@ def check_starts(
     )
 
 
+def check_window_args(start_indices: Any, slice_sizes: Any) -> None:
+    """A read takes both a window's start and its sizes, or neither (the whole
+    contents)."""
+    if (start_indices is None) != (slice_sizes is None):
+        raise TypeError(
+            "esb.read: give both `start_indices` and `slice_sizes` (a window), or "
+            "neither (the whole contents)."
+        )
+
+
 def check_sizes(sizes: Any, shape: tuple[int, ...]) -> tuple[int, ...]:
     if not isinstance(sizes, (tuple, list)):
         raise TypeError(f"`slice_sizes` must be a tuple of ints; got {sizes!r}.")

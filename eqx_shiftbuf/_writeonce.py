@@ -170,11 +170,7 @@ class WriteOnceBuffer(eqx.Module):
     ) -> tuple["WriteOnceBuffer", Array]:
         """Read a window (or, with no arguments, the contents): `(self, window)`.
         See [`eqx_shiftbuf.read`][]."""
-        if (start_indices is None) != (slice_sizes is None):
-            raise TypeError(
-                "esb.read: give both `start_indices` and `slice_sizes` (a window), "
-                "or neither (the whole contents)."
-            )
+        _ops.check_window_args(start_indices, slice_sizes)
         if start_indices is None:
             return self, self.array
         return self, self.dynamic_slice(start_indices, slice_sizes, mode=mode)
