@@ -106,6 +106,10 @@ class ShiftBuffer(eqx.Module):
     # The token of the last access (see `_primitives`, "Binding helpers"): a float32
     # run-time zero that the next access waits for (one per buffer in a batch).
     _token: Array
+    # Where logical position 0 of the line is stored, for a buffer stored as a ring
+    # (one line: see `_ops.is_ring`), as a float32 scalar like the token (one per
+    # buffer in a batch); 0 otherwise, and until an edit moves it.
+    _head: Array | np.ndarray
 
     def __init__(self, array: ArrayLike, axis: int = -1, fill: bool | int | float = 0):
         """**Arguments:**
@@ -136,11 +140,26 @@ class ShiftBuffer(eqx.Module):
         zero = _ops.zero_from(arr)
         self._error = zero if zero is not None else np.zeros((), np.float32)
         self._token = zero if zero is not None else new_token()
+        # A NumPy zero, as the record: an operation sees at trace time that the
+        # line is not rotated, and reads and writes it as it is.
+        self._head = zero if zero is not None else np.zeros((), np.float32)
 
-    def _replace(self, storage: Any, error: Any, token: Any) -> "ShiftBuffer":
-        """This buffer with new leaves (same axis and fill): what an operation
-        returns. Built by unflattening, so `__init__`'s conversions do not run."""
-        return jtu.tree_unflatten(jtu.tree_structure(self), [storage, error, token])
+    def _replace(
+        self, storage: Any, error: Any, token: Any, head: Any = None
+    ) -> "ShiftBuffer":
+        """This buffer with new leaves (same axis and fill; the same head if `head`
+        is None): what an operation returns. Built by unflattening, so `__init__`'s
+        conversions do not run."""
+        head = self._head if head is None else head
+        leaves = [storage, error, token, head]
+        return jtu.tree_unflatten(jtu.tree_structure(self), leaves)
+
+    def _ring(self) -> _ops.Ring | None:
+        """How the storage holds the line, if it is a ring (`_ops.is_ring`)."""
+        logical_shape = self._storage.shape[len(self.batch_shape) :]
+        if not _ops.is_ring(logical_shape, self.axis):
+            return None
+        return _ops.Ring(self._head, self.axis)
 
     @classmethod
     def from_array(
@@ -197,7 +216,8 @@ class ShiftBuffer(eqx.Module):
         of range. Inside a loop, prefer `buf, contents = buf.read()`: the buffer it
         returns makes the next edit wait for the read, which `buf.array` cannot.
         """
-        return _ops.raise_deferred(self._storage, self._error, self.batch_shape)
+        storage = _ops.raise_deferred(self._storage, self._error, self.batch_shape)
+        return _ops.logical(storage, self._ring(), self.batch_shape)
 
     @property
     def batch_shape(self) -> tuple[int, ...]:
@@ -240,10 +260,11 @@ class ShiftBuffer(eqx.Module):
                 f"e.g. `jax.vmap(lambda b, i: ...)(buffers, indices)`. `.array` and "
                 "`.shape` work on the whole batch."
             )
-        return _ops.Leaves(self._storage, self._error, self._token)
+        return _ops.Leaves(self._storage, self._error, self._token, self._ring())
 
     def _with(self, b: _ops.Leaves) -> "ShiftBuffer":
-        return self._replace(b.storage, b.error, b.token)
+        head = None if b.ring is None else b.ring.head
+        return self._replace(b.storage, b.error, b.token, head)
 
     def read(
         self,
@@ -264,15 +285,21 @@ class ShiftBuffer(eqx.Module):
             # raised: inside a loop the record is a traced carry, and its check a
             # host callback (an effect), which takes the whole program off JAX's
             # C++ dispatch path (a fixed cost per call).
-            storage = self.array if mode is None else self._storage
+            if mode is None:
+                storage = _ops.raise_deferred(
+                    self._storage, self._error, self.batch_shape
+                )
+            else:
+                storage = self._storage
             if self.batch_shape or self.ndim == 0:
-                return self._replace(storage, self._error, self._token), storage
+                contents = _ops.logical(storage, self._ring(), self.batch_shape)
+                return self._replace(storage, self._error, self._token), contents
             # The whole buffer, through `read_p` (its recorded error was raised
             # just above): the next edit waits for the read through the token, and
             # under `grad` the contents' cotangent is accumulated into the
             # buffer's by `accum_p`, in place, not by an add that XLA fuses into
             # the next read and then writes out of place (1 copy per step).
-            b = _ops.Leaves(storage, self._error, self._token)
+            b = _ops.Leaves(storage, self._error, self._token, self._ring())
             zeros = (0,) * self.ndim
             b, contents = _ops.read_window(b, zeros, self.shape, "promise_in_bounds")
             return self._with(b), contents

@@ -490,12 +490,164 @@ def check_value(
 # The operations, on a storage array.
 
 
+class Ring(NamedTuple):
+    """How a ring's one line is stored: logical position `j` along `axis` is at
+    index `(head + j) % capacity` of the storage.
+
+    A push or pop at either end of the line then moves the head and one element,
+    not the line. `head` is a float32 scalar (one per buffer in a batch), like the
+    token and error record; a NumPy zero until an edit moves it.
+    """
+
+    head: Any
+    axis: int
+
+
 class Leaves(NamedTuple):
     """A buffer's array leaves: what every operation takes and returns."""
 
     storage: jax.Array
     error: Any  # the deferred-error record, or None
     token: jax.Array
+    ring: Ring | None = None  # None: the storage is the logical array
+
+
+# The largest line a ring is used for: its head is a float32 (see `Ring`), exact
+# up to 2**24.
+_MAX_RING = 2**24
+
+
+def is_ring(shape: tuple[int, ...], axis: int) -> bool:
+    """Whether a `ShiftBuffer` of `shape` shifted along `axis` is stored as a
+    ring: it has one line (every dimension before `axis` is 1 long), of at least
+    two elements, and is not empty. (A line of a buffer with several lines is
+    shifted by its own `insert`/`pop`, and would need a head of its own.)"""
+    return (
+        math.prod(shape[:axis]) == 1
+        and 2 <= shape[axis] <= _MAX_RING
+        and math.prod(shape) > 0
+    )
+
+
+def _ring_head(b: Leaves) -> jax.Array | None:
+    """The head of `b`'s ring as int32, or None where there is no ring or its head
+    is known at trace time to be 0 (a NumPy zero: no edit moved it)."""
+    if b.ring is None:
+        return None
+    head = b.ring.head
+    if isinstance(head, np.ndarray) and not head.any():
+        return None
+    return jnp.asarray(head).astype(jnp.int32)
+
+
+def _wrap(p: jax.Array, n: int) -> jax.Array:
+    """`p % n` for `p` in `[0, 2n)`: a compare and a select, not an integer
+    division."""
+    return jnp.where(p >= n, p - n, p)
+
+
+def _rotate(x: jax.Array, shift: jax.Array, axis: int) -> jax.Array:
+    """`out[j] = x[(j + shift) % n]` along `axis`, for `shift` in `[0, n]`."""
+    return P.rotate_p.bind(x, jnp.asarray(shift, jnp.int32), axis=axis)
+
+
+def _moved(b: Leaves, storage: Any, error: Any, token: Any, head: Any) -> Leaves:
+    """`b`'s successor; `head` (int32) is the ring's new head, None: unchanged."""
+    ring = b.ring
+    if ring is not None and head is not None:
+        ring = Ring(head.astype(jnp.float32), ring.axis)
+    return Leaves(storage, error, token, ring)
+
+
+def logical(storage: jax.Array, ring: Ring | None, batch_shape=()) -> jax.Array:
+    """The logical contents of `storage` (of a batch of buffers with
+    `batch_shape`): the ring unrotated."""
+    b = Leaves(storage, None, P.new_token(), ring)
+    head = _ring_head(b)
+    if head is None or ring is None:
+        return storage
+    return _rotate(storage, head, len(batch_shape) + ring.axis)
+
+
+def _ring_read(b: Leaves, starts: list, sizes: tuple[int, ...], head: jax.Array):
+    """`(storage, window, token)`: the logical window of a ring at `starts`.
+
+    A window one element long along the ring's axis is one read; a whole line is
+    read whole and rotated; otherwise the window may wrap around the end of the
+    storage, and is read as the two windows of the same size at either end that
+    hold it, whose concatenation it is a slice of.
+    """
+    assert b.ring is not None
+    ax = b.ring.axis
+    n, cap = sizes[ax], b.storage.shape[ax]
+    p = _wrap(starts[ax] + head, cap)
+    at = lambda q: starts[:ax] + [q] + starts[ax + 1 :]
+    if n == 1:
+        return P.bind_read(b.storage, b.token, at(p), sizes)
+    if n == cap:
+        storage, window, tok = P.bind_read(b.storage, b.token, at(p * 0), sizes)
+        return storage, _rotate(window, head, ax), tok
+    c1 = jnp.minimum(p, cap - n)
+    storage, w1, tok = P.bind_read(b.storage, b.token, at(c1), sizes)
+    storage, w2, tok = P.bind_read(storage, tok, at(p * 0), sizes)
+    both = jnp.concatenate([w1, w2], ax)
+    return storage, lax.dynamic_slice_in_dim(both, p - c1, n, ax), tok
+
+
+def _ring_update(b: Leaves, upd: jax.Array, starts: list, head: jax.Array):
+    """`(storage, token)` after writing `upd` at the logical `starts` of a ring.
+
+    As `_ring_read`: one write, a rotated whole line, or, for a window that may
+    wrap, a read-modify-write of each of the two windows at either end that hold
+    it (the second after the first, so where they overlap it writes the update
+    again). Each piece is a primitive with exact rules, so the composition's
+    derivatives are exact.
+    """
+    assert b.ring is not None
+    ax = b.ring.axis
+    n, cap = upd.shape[ax], b.storage.shape[ax]
+    p = _wrap(starts[ax] + head, cap)
+    at = lambda q: starts[:ax] + [q] + starts[ax + 1 :]
+    if n == 1:
+        storage, _, tok = P.bind_swap(b.storage, b.token, upd, at(p), read=False)
+        return storage, tok
+    if n == cap:
+        upd = _rotate(upd, cap - head, ax)
+        storage, _, tok = P.bind_swap(b.storage, b.token, upd, at(p * 0), read=False)
+        return storage, tok
+    storage, tok = b.storage, b.token
+    shape = [1] * upd.ndim
+    shape[ax] = n
+    for c in (jnp.minimum(p, cap - n), p * 0):
+        storage, old, tok = P.bind_read(storage, tok, at(c), upd.shape)
+        # The update's element at each physical position of this window, if any.
+        j = c + lax.iota(p.dtype, n) - p
+        j = jnp.where(j < 0, j + cap, j)
+        vals = jnp.take(upd, jnp.minimum(j, n - 1), axis=ax)
+        new = jnp.where((j < n).reshape(shape), vals, old)
+        storage, _, tok = P.bind_swap(storage, tok, new, at(c), read=False)
+    return storage, tok
+
+
+def _static_end(index: Any, axis: int, cap: int) -> str | None:
+    """'front' or 'back' if the entry along a ring's axis of `index` (as the user
+    gave it, already checked) is known at trace time to be 0 or `cap - 1`; else
+    None (a traced index, or a middle one). Read off the user's entry: inside a
+    trace, even `jnp.int32(0)` is a tracer."""
+    col = list(index)[axis] if isinstance(index, (tuple, list)) else index
+    if isinstance(col, Tracer):
+        return None
+    c = int(np.asarray(col))
+    return "front" if c == 0 else "back" if c == cap - 1 else None
+
+
+def _element_window(b: Leaves, idx: list, col: jax.Array):
+    """`(starts, sizes)` of the element of `b`'s line at physical position `col`."""
+    assert b.ring is not None
+    ax = b.ring.axis
+    shape = b.storage.shape
+    starts = list(idx[:ax]) + [col] + [jnp.zeros_like(col)] * (len(shape) - ax - 1)
+    return starts, (1,) * (ax + 1) + tuple(shape[ax + 1 :])
 
 
 def array_leaves(arr: jax.Array) -> Leaves:
@@ -519,8 +671,12 @@ def read_window(
         op="dynamic_slice",
         error=b.error,
     )
-    storage, window, tok = P.bind_read(b.storage, b.token, starts, sizes)
-    return Leaves(storage, error, tok), window
+    head = _ring_head(b)
+    if head is not None and math.prod(sizes) > 0:
+        storage, window, tok = _ring_read(b, starts, sizes, head)
+    else:
+        storage, window, tok = P.bind_read(b.storage, b.token, starts, sizes)
+    return b._replace(storage=storage, error=error, token=tok), window
 
 
 def checked_update(
@@ -565,8 +721,12 @@ def update_window(
     upd, starts, error = checked_update(
         b.storage.shape, b.storage.dtype, update, start_indices, mode, b.error
     )
-    storage, _, tok = P.bind_swap(b.storage, b.token, upd, starts, read=False)
-    return Leaves(storage, error, tok)
+    head = _ring_head(b)
+    if head is not None and upd.size > 0:
+        storage, tok = _ring_update(b, upd, starts, head)
+    else:
+        storage, _, tok = P.bind_swap(b.storage, b.token, upd, starts, read=False)
+    return b._replace(storage=storage, error=error, token=tok)
 
 
 def insert_at(b: Leaves, index: Any, value: Any, axis: int, mode: str | None) -> Leaves:
@@ -577,8 +737,25 @@ def insert_at(b: Leaves, index: Any, value: Any, axis: int, mode: str | None) ->
     )
     vshape = shape[axis + 1 :]
     val = check_value(value, vshape, b.storage.dtype, "value", f"x.shape[{axis}+1:]")
-    storage, tok = P.bind_insert(b.storage, b.token, val, idx, axis)
-    return Leaves(storage, error, tok)
+    if b.ring is None:
+        storage, tok = P.bind_insert(b.storage, b.token, val, idx, axis)
+        return b._replace(storage=storage, error=error, token=tok)
+    # A ring: a push at the front moves the head back one and writes the value
+    # there, over the element that falls off the end; one at the back overwrites
+    # the last element. Elsewhere the line shifts, rotated by the head.
+    cap, head = shape[axis], _ring_head(b)
+    end = _static_end(index, axis, cap)
+    zero = jnp.int32(0)
+    if end is None:
+        ring_idx = idx if head is None else idx + [head]
+        storage, tok = P.bind_insert(b.storage, b.token, val, ring_idx, axis)
+        return _moved(b, storage, error, tok, None)
+    h = zero if head is None else head
+    new_head = _wrap(h + (cap - 1), cap)
+    starts, sizes = _element_window(b, idx, new_head)
+    upd = val.reshape(sizes)
+    storage, _, tok = P.bind_swap(b.storage, b.token, upd, starts, read=False)
+    return _moved(b, storage, error, tok, new_head if end == "front" else None)
 
 
 def pop_at(
@@ -600,8 +777,30 @@ def pop_at(
         error=b.error,
         defer=not read,
     )
-    storage, removed, tok = P.bind_pop(b.storage, b.token, idx, axis, fill, read=read)
-    return Leaves(storage, error, tok), removed
+    shape = b.storage.shape
+    cap, head = shape[axis], _ring_head(b)
+    end = None if b.ring is None else _static_end(index, axis, cap)
+    if end is None:
+        ring_idx = idx if head is None else idx + [head]
+        storage, removed, tok = P.bind_pop(
+            b.storage, b.token, ring_idx, axis, fill, read=read
+        )
+        return b._replace(storage=storage, error=error, token=tok), removed
+    # A ring: a pop at the front takes the element at the head, writes `fill`
+    # there (now the logical end) and moves the head on; one at the back takes
+    # the last element and writes `fill` in its place.
+    h = jnp.int32(0) if head is None else head
+    col = h if end == "front" else _wrap(h + (cap - 1), cap)
+    starts, sizes = _element_window(b, idx, col)
+    fills = jnp.full(sizes, fill, b.storage.dtype)
+    storage, removed, tok = P.bind_swap(b.storage, b.token, fills, starts, read=read)
+    removed = (
+        removed.reshape(shape[axis + 1 :])
+        if read
+        else jnp.zeros(shape[axis + 1 :], b.storage.dtype)
+    )
+    new_head = _wrap(h + 1, cap) if end == "front" else None
+    return _moved(b, storage, error, tok, new_head), removed
 
 
 def check_fill(fill: Any, dtype: Any) -> Any:

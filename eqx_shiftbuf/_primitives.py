@@ -400,15 +400,29 @@ def _write_line(s, start, new, axis):
     return lax.dynamic_update_slice(s, new, start)
 
 
-def _shift_right(line, col, v):
-    """`line` with `v` inserted at `col` (axis 0), its last element dropped."""
+def _positions(line, col, head):
+    """The logical position along axis 0 of each element of `line`: its index, or,
+    in a ring whose logical position 0 is at index `head`, its index - `head`
+    modulo the length."""
     pos = lax.broadcasted_iota(col.dtype, line.shape, 0)
+    if head is None:
+        return pos
+    head = head.astype(col.dtype)
+    return jnp.where(pos >= head, pos - head, pos - head + line.shape[0])
+
+
+def _shift_right(line, col, v, head=None):
+    """`line` with `v` inserted at logical position `col` (axis 0), its last
+    element dropped. `jnp.roll` wraps, so in a ring (`head`) the element at the
+    head's left, logically last, is the one overwritten."""
+    pos = _positions(line, col, head)
     return jnp.where(pos < col, line, jnp.where(pos == col, v, jnp.roll(line, 1, 0)))
 
 
-def _shift_left(line, col, fill):
-    """`line` with the element at `col` (axis 0) removed, `fill` added at the end."""
-    pos = lax.broadcasted_iota(col.dtype, line.shape, 0)
+def _shift_left(line, col, fill, head=None):
+    """`line` with the element at logical position `col` (axis 0) removed, `fill`
+    added at the (logical) end."""
+    pos = _positions(line, col, head)
     fillv = jnp.asarray(fill, line.dtype)
     last = line.shape[0] - 1
     return jnp.where(
@@ -478,12 +492,40 @@ def _shift(storage, tok, idx, axis, new_line, ordered, want_lines=False):
     return _write(tok, size, body, storage, idx), lines
 
 
+def _split_head(idx, axis: int) -> tuple[list, jax.Array | None]:
+    """`(indices, head)`: a shift of a ring line takes the line's head (the index
+    where its logical position 0 is stored) as one more operand after the
+    `axis + 1` indices, so that the JVP, transpose and batching rules, which pass
+    indices through, carry it too."""
+    idx = list(idx)
+    if len(idx) == axis + 2:
+        return idx[:-1], idx[-1]
+    return idx, None
+
+
+def _heads(head, bshape):
+    """A function of the batch element `j`: its head, or None (not a ring)."""
+    if head is None:
+        return lambda j: None
+    flat = _flat(head, bshape)
+    return lambda j: _take(flat, j)
+
+
+def _physical(col, head, n: int):
+    """Where logical position `col` of a ring line of length `n` is stored."""
+    if head is None:
+        return col
+    p = col + head.astype(col.dtype)
+    return jnp.where(p >= n, p - n, p)
+
+
 def _insert_impl(storage, tok, value, *idx, axis, ordered, nbatch=0):
+    idx, head = _split_head(idx, axis)
     bshape, size = _batch_size(idx)
     if _touches_nothing(size, storage.shape):
         return storage, tok
-    value = _flat(value, bshape)
-    new_line = lambda j, line, col: _shift_right(line, col, _take(value, j))
+    value, heads = _flat(value, bshape), _heads(head, bshape)
+    new_line = lambda j, line, col: _shift_right(line, col, _take(value, j), heads(j))
     return _shift(storage, tok, idx, axis, new_line, ordered)[0], tok
 
 
@@ -523,14 +565,19 @@ def _pop_impl(storage, tok, *idx, axis, fill, read, ordered, nbatch=0):
 
 
 def _pop_edit(storage, tok, idx, axis, fill, read, ordered):
+    idx, head = _split_head(idx, axis)
     bshape, size = _batch_size(idx)
     if _touches_nothing(size, storage.shape):
         return storage, jnp.zeros(bshape + storage.shape[axis + 1 :], storage.dtype)
-    new_line = lambda j, line, col: _shift_left(line, col, fill)
+    heads = _heads(head, bshape)
+    new_line = lambda j, line, col: _shift_left(line, col, fill, heads(j))
     if not read:  # a delete: the removed elements are not wanted
         storage, _ = _shift(storage, tok, idx, axis, new_line, ordered)
         return storage, jnp.zeros(bshape + storage.shape[axis + 1 :], storage.dtype)
-    if _reduce_readable(storage, size, axis) and not _one_line(storage, size, axis):
+    # A ring is one line (`_split_head`): neither of the next two paths, which
+    # take the removed element at its logical position in the physical line.
+    windowed = _reduce_readable(storage, size, axis) and head is None
+    if windowed and not _one_line(storage, size, axis):
         # Read the line through a reduction, straight-line, take the removed
         # element out of it, and shift (see `window2_edit`). This holds after
         # another straight-line write too (`ordered`), since every unbatched write
@@ -545,7 +592,7 @@ def _pop_edit(storage, tok, idx, axis, fill, read, ordered):
         state = (storage, jnp.zeros(vshape, storage.dtype))
         storage, removed = _write(tok, size, body, state, idx)
         return storage, removed.reshape(bshape + vshape)
-    pair = _line_pair(storage, size, axis)
+    pair = _line_pair(storage, size, axis) if head is None else None
     if pair is not None:
         # One line of two: read the line through a reduction over both lines
         # (`window_by_reduce`), take the removed element out of that value, and
@@ -571,7 +618,10 @@ def _pop_edit(storage, tok, idx, axis, fill, read, ordered):
         # read only the removed element, through a reduction (`_read_impl`), and
         # shift after it, waiting on its token. Reading the whole line in a loop
         # copied it into the loop's state every step (a copy of the buffer).
-        starts = list(idx) + [jnp.zeros_like(idx[-1])] * (storage.ndim - axis - 1)
+        col = _physical(idx[-1], head, storage.shape[axis])
+        starts = (
+            list(idx[:-1]) + [col] + [jnp.zeros_like(col)] * (storage.ndim - axis - 1)
+        )
         sizes = (1,) * (axis + 1) + tuple(storage.shape[axis + 1 :])
         storage, removed, tok = _read_impl(storage, tok, *starts, sizes=sizes)
         storage, _ = _shift(storage, tok, idx, axis, new_line, False)
@@ -580,7 +630,8 @@ def _pop_edit(storage, tok, idx, axis, fill, read, ordered):
     # ordered before it by data) from materialised lines: an ordered shift, its
     # reads in a loop.
     storage, lines = _shift(storage, tok, idx, axis, new_line, True, True)
-    cols = jnp.broadcast_to(idx[-1], bshape).reshape(size)
+    cols = jnp.broadcast_to(_physical(idx[-1], head, storage.shape[axis]), bshape)
+    cols = cols.reshape(size)
     removed = jax.vmap(lambda line, c: lax.dynamic_index_in_dim(line, c, 0, False))(
         lines, cols
     )
@@ -711,6 +762,72 @@ def bind_pop(storage, tok, idx, axis, fill, read=True, ordered=False, nbatch=0):
 
 
 _WRITES = (accum_p, swap_p, insert_p, pop_p)
+
+
+# ---------------------------------------------------------------------------
+# rotate_p: `out[j] = x[(j + shift) % n]` along `axis`, for `shift` in `[0, n]`.
+#
+# What a ring's whole-line read and write, and `.array`, apply to its storage
+# (`_ops.Ring`). Not a buffer access: a value in, a value out. It is a primitive
+# for its transpose, the rotation back: as `jnp.take` (a gather, which XLA fuses
+# into its consumers) its transpose was a scatter-add into zeros (a delay line's
+# whole-window read: the gradient 1.9x plain `lax`'s shift), and as a slice of
+# `concatenate([x, x])`, which transposes to a pad and an add, the forward pass
+# read the line three times (1.5x plain `lax`).
+
+
+def _rotate_impl(x, shift, *, axis):
+    n = x.shape[axis]
+    nb = shift.ndim  # leading batch dimensions of `x`, one shift each
+    pos = lax.broadcasted_iota(jnp.int32, shift.shape + (n,), nb)
+    pos = pos + shift.astype(jnp.int32)[..., None]
+    pos = jnp.where(pos >= n, pos - n, pos)
+    pos = pos.reshape(pos.shape + (1,) * (x.ndim - axis - 1))
+    pos = pos.reshape(pos.shape[:nb] + (1,) * (axis - nb) + pos.shape[nb:])
+    return jnp.take_along_axis(x, pos, axis=axis, mode="promise_in_bounds")
+
+
+def _rotate_abstract(x, shift, *, axis):
+    return x
+
+
+rotate_p = Primitive("esb_rotate")
+rotate_p.def_impl(
+    lambda x, shift, *, axis: jax.jit(_rotate_impl, static_argnames="axis")(
+        x, shift, axis=axis
+    )
+)
+rotate_p.def_abstract_eval(_rotate_abstract)
+mlir.register_lowering(rotate_p, mlir.lower_fun(_rotate_impl, multiple_results=False))
+
+
+def _rotate_jvp(primals, tangents, *, axis):
+    x, shift = primals
+    out = rotate_p.bind(x, shift, axis=axis)
+    if type(tangents[0]) is ad.Zero:
+        return out, _zero_tangent(out)
+    return out, rotate_p.bind(tangents[0], shift, axis=axis)
+
+
+def _rotate_transpose(ct, x, shift, *, axis):
+    if type(ct) is ad.Zero:
+        return [ad.Zero(_aval(x)), None]
+    n = _aval(x).shape[axis]
+    return [rotate_p.bind(ct, n - shift, axis=axis), None]
+
+
+def _rotate_batch(args, dims, *, axis):
+    x, shift = args
+    xd, sd = dims
+    size = x.shape[xd] if xd is not None else shift.shape[sd]
+    # The batch dimension leads both operands, one more of `_rotate_impl`'s `nb`.
+    x, shift = _move_front(x, xd, size), _move_front(shift, sd, size)
+    return rotate_p.bind(x, shift, axis=axis + 1), 0
+
+
+ad.primitive_jvps[rotate_p] = _rotate_jvp
+ad.primitive_transposes[rotate_p] = _rotate_transpose
+batching.primitive_batchers[rotate_p] = _rotate_batch
 
 
 # ---------------------------------------------------------------------------

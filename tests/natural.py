@@ -145,6 +145,46 @@ def _stack(ops, b, x, p):
     return b, (top * p["s"]).sum()
 
 
+def _front_stack(ops, b, x, p):
+    """One stack `(K, F)` shifted along axis 0, Python-int ends: push two frames at
+    the top (0) and pop one, so the top drifts round a ring's storage."""
+    f = jnp.tanh(p["s"] * x["v"] + jnp.arange(b_features(ops, b), dtype=jnp.float32))
+    b = ops.insert(b, 0, f)
+    b = ops.insert(b, 0, 2.0 * f)
+    b, top = ops.pop(b, 0)
+    return b, (top * p["s"]).sum()
+
+
+def _queue(ops, b, x, p):
+    """A FIFO queue `(K, F)`: push at the front (0), pop at the back (K - 1)."""
+    k = ops.shape(b)[0]
+    f = jnp.tanh(p["s"] * x["v"] + jnp.arange(b_features(ops, b), dtype=jnp.float32))
+    b = ops.insert(b, 0, f)
+    b, last = ops.pop(b, k - 1)
+    return b, (last * p["s"]).sum()
+
+
+def _ring_mix(ops, b, x, p):
+    """Every kind of access on a line whose head moves: a push at the front, a pop
+    at the back, a traced insert and pop in the middle, and a window read and
+    write that may wrap round the end of a ring's storage."""
+    k, d = ops.shape(b)
+    f = jnp.sin(p["s"] * x["v"] + jnp.arange(d, dtype=jnp.float32))
+    b = ops.insert(b, 0, f)
+    b = ops.insert(b, (x["c"][0],), 0.5 * f)
+    b, w = ops.read(b, (x["c"][1] % (k - 3), jnp.int32(0)), (4, d))
+    b = ops.dynamic_update_slice(
+        b, jnp.cos(w[::-1]), (x["c"][0] % (k - 3), jnp.int32(0))
+    )
+    b, last = ops.pop(b, k - 1)
+    b, mid = ops.pop(b, (x["c"][1],))
+    return b, (w * p["s"]).sum() + (last * mid).sum()
+
+
+def b_features(ops, b):
+    return ops.shape(b)[-1]
+
+
 def _cond_stack(ops, b, x, p):
     f = jnp.tanh(p["s"] * x["v"] + jnp.arange(F, dtype=jnp.float32))
     zero = jnp.zeros_like(x["c"][0])
@@ -346,6 +386,34 @@ ROWS = (
         64,
     ),
     Row(
+        "front_stack",
+        "one stack (512, 64) axis=0: push, push, pop at 0 (Python ints)",
+        _front_stack,
+        (512, 64),
+        0,
+        1,
+        512,
+    ),
+    Row(
+        "queue",
+        "a queue (512, 64) axis=0: push at 0, pop at K - 1 (Python ints)",
+        _queue,
+        (512, 64),
+        0,
+        1,
+        512,
+    ),
+    Row(
+        "ring_mix",
+        "(256, 64) axis=0: push at 0, traced insert, wrapping (4, 64) read and "
+        "write, pop at K - 1, traced pop",
+        _ring_mix,
+        (256, 64),
+        0,
+        1,
+        256,
+    ),
+    Row(
         "esb_scan",
         "traced insert + pop (100, 500) under checkpointed esb.scan",
         _insert_pop(_traced("r", 0), _traced("c", 0), _traced("r", 1), _traced("c", 1)),
@@ -376,6 +444,20 @@ ROWS += (
         what="the stack under checkpointed esb.scan, a batch of buffers",
         scan=_checkpointed,
         batch_init=True,
+    ),
+)
+ROWS += (
+    dataclasses.replace(
+        ROWS_BY_NAME_0["front_stack"],
+        name="front_stack_b",
+        what="the front stack on a batch of buffers (vmap modes batch init and xs)",
+        batch_init=True,
+    ),
+    dataclasses.replace(
+        ROWS_BY_NAME_0["front_stack"],
+        name="front_stack_scan",
+        what="the front stack under checkpointed esb.scan",
+        scan=_checkpointed,
     ),
 )
 ROWS_BY_NAME = {r.name: r for r in ROWS}

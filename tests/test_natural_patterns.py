@@ -12,10 +12,10 @@ import pytest
 from . import natural
 
 
-# (row, mode) pairs with 0 per-step copies. Rows that copy as plain `lax` does (the
-# delay line, whose line is the whole buffer; a `lax.cond` on the carry; a
-# whole-buffer `dynamic_slice` under grad) are not here: see the README's known
-# limits, and their alternatives `ring_taps`, `select_stack` and `whole_read`.
+# (row, mode) pairs with 0 per-step copies. Rows that copy as plain `lax` does (a
+# `lax.cond` on the carry; a whole-buffer `dynamic_slice` under grad) are not here:
+# see the README's known limits, and their alternatives `select_stack` and
+# `whole_read`.
 IN_PLACE = [
     ("pyint", "fwd"),
     ("pyint", "grad"),
@@ -37,6 +37,19 @@ IN_PLACE = [
     ("select_stack", "grad"),
     ("select_stack", "vmap(grad)"),
     ("ring_taps", "grad"),
+    # A line that is the whole buffer is stored as a ring (`_ops.Ring`): a push or
+    # pop at either end moves one element.
+    ("delay_whole", "fwd"),
+    ("delay_whole", "grad"),
+    ("delay_taps", "grad"),
+    ("delay_taps", "vmap(grad)"),
+    ("front_stack", "grad"),
+    ("front_stack", "jvp"),
+    ("front_stack_b", "vmap(grad)"),
+    ("front_stack_scan", "grad"),
+    ("queue", "grad"),
+    ("ring_mix", "grad"),
+    ("ring_mix", "jvp(vmap)"),
 ]
 
 
@@ -55,8 +68,12 @@ def test_no_per_iteration_copies(row, mode):
         "two_lines",
         "whole_ds",
         "whole_array",
+        "delay_whole",
         "delay_taps",
         "ring_taps",
+        "front_stack",
+        "queue",
+        "ring_mix",
         "select_stack",
     ],
 )

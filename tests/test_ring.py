@@ -1,0 +1,180 @@
+"""A buffer of one line is stored as a ring (`_ops.Ring`): edits at either end move
+one element. Its contents, reads, gradients and pytree behave as the logical array.
+"""
+
+from __future__ import annotations
+
+import equinox as eqx
+import hypothesis.strategies as st
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from jax import lax
+from jax.test_util import check_grads
+
+import eqx_shiftbuf as esb
+
+from . import reference as ref
+
+
+# (shape, axis) of buffers with one line: a flat line, a stack of feature vectors,
+# one row, one row of vectors.
+RINGS = [((7,), 0), ((6, 3), 0), ((1, 6), 1), ((1, 5, 2), 1)]
+
+
+def _ends(shape, axis):
+    """Index tuples of the two ends of the line, as Python ints."""
+    lead = (0,) * axis
+    return [lead + (0,), lead + (shape[axis] - 1,)]
+
+
+@st.composite
+def _op(draw, shape, axis):
+    """An edit or read: at an end with Python ints, or anywhere with traced
+    indices (applied under `jax.jit`, so the head is unknown at trace time)."""
+    kind = draw(st.sampled_from(["insert", "delete", "pop", "slice", "update"]))
+    traced = draw(st.booleans())
+    vshape = shape[axis + 1 :]
+    value = np.float32(draw(st.integers(-50, 50))) + np.zeros(vshape, np.float32)
+    if kind in ("insert", "delete", "pop"):
+        if traced:
+            index = (0,) * axis + (draw(st.integers(0, shape[axis] - 1)),)
+        else:
+            index = draw(st.sampled_from(_ends(shape, axis)))
+        return kind, traced, index, value
+    sizes = tuple(draw(st.integers(0, n)) for n in shape)
+    starts = tuple(draw(st.integers(0, n - s)) for n, s in zip(shape, sizes))
+    upd = np.asarray(
+        draw(st.lists(st.integers(-9, 9), min_size=int(np.prod(sizes)))), np.float32
+    )[: int(np.prod(sizes))].reshape(sizes)
+    return kind, traced, starts, (sizes, upd)
+
+
+def _apply(buf, op):
+    kind, traced, index, arg = op
+    conv = (lambda i: tuple(map(jnp.int32, i))) if traced else (lambda i: i)
+
+    def run(b, i):
+        if kind == "insert":
+            return b.insert(i, arg), None
+        if kind == "delete":
+            return b.delete(i), None
+        if kind == "pop":
+            return b.pop(i)
+        if kind == "slice":
+            return b.read(i, arg[0])
+        return b.dynamic_update_slice(arg[1], i), None
+
+    if traced:
+        return jax.jit(run)(buf, conv(index))
+    return run(buf, index)
+
+
+def _apply_ref(a, op, axis):
+    kind, _, index, arg = op
+    if kind == "insert":
+        return ref.insert(a, index, arg, axis), None
+    if kind == "delete":
+        return ref.delete(a, index, axis), None
+    if kind == "pop":
+        return ref.pop(a, index, axis)
+    if kind == "slice":
+        return a, ref.dynamic_slice(a, index, arg[0])
+    return ref.dynamic_update_slice(a, arg[1], index), None
+
+
+@pytest.mark.parametrize("shape, axis", RINGS)
+@settings(max_examples=12, deadline=None)
+@given(data=st.data())
+def test_edits_at_the_ends_and_anywhere_match_numpy(shape, axis, data):
+    a = np.arange(np.prod(shape), dtype=np.float32).reshape(shape) + 100
+    buf = esb.ShiftBuffer(jnp.asarray(a), axis=axis)
+    for op in data.draw(st.lists(_op(shape, axis), min_size=1, max_size=10)):
+        buf, out = _apply(buf, op)
+        a, want = _apply_ref(a, op, axis)
+        if want is not None:
+            np.testing.assert_array_equal(np.asarray(out), want)
+        np.testing.assert_array_equal(np.asarray(buf.array), a)
+
+
+def test_a_buffer_of_several_lines_is_not_a_ring():
+    buf = esb.ShiftBuffer(jnp.zeros((2, 5)), axis=1).insert((0, 0), 1.0)
+    # Its head is the NumPy zero it was made with: no edit moved it.
+    assert isinstance(buf._head, np.ndarray)
+    ring = esb.ShiftBuffer(jnp.zeros((5, 2)), axis=0).insert(0, jnp.ones(2))
+    assert not isinstance(ring._head, np.ndarray)
+
+
+def _loss(a, v, c):
+    """A scan of pushes, pops at both ends, traced middle edits and wrapping window
+    accesses on a ring, as a function of its initial contents and values."""
+
+    def step(b, x):
+        v, c = x
+        k = b.shape[0]
+        b = b.insert(0, jnp.sin(v))
+        b = b.insert((c,), 0.5 * v)
+        b, w = b.read((c % (k - 3), 0), (4, b.shape[1]))
+        b = b.dynamic_update_slice(jnp.cos(w[::-1]), (c % (k - 3), 0))
+        b, last = b.pop(k - 1)
+        b, mid = b.pop((c,))
+        return b, (w.sum() + last * mid).sum()
+
+    b, ys = lax.scan(step, esb.ShiftBuffer(a, axis=0), (v, c))
+    return ys.sum() + (b.array**2).sum()
+
+
+def _args(k=7, d=2, steps=9):
+    rng = np.random.default_rng(0)
+    a = jnp.asarray(rng.normal(size=(k, d)), jnp.float32)
+    v = jnp.asarray(rng.normal(size=(steps, d)), jnp.float32)
+    c = jnp.asarray(rng.integers(0, k, steps), jnp.int32)
+    return a, v, c
+
+
+def test_gradients_match_finite_differences():
+    a, v, c = _args()
+    a, v = a.astype(jnp.float64), v.astype(jnp.float64)
+    with jax.enable_x64():
+        f = jax.jit(lambda a, v: _loss(a, v, c))
+        check_grads(f, (a, v), order=1, modes=("fwd", "rev"), atol=1e-5, rtol=1e-5)
+
+
+def test_vmapped_rings_with_different_heads():
+    a, v, c = _args()
+    # Each buffer of the batch pushes a different number of frames, so the heads
+    # differ; `.array` of the batch and of each buffer agree with NumPy.
+    counts = jnp.asarray([0, 1, 3, 8])
+
+    def push(a, n):
+        b = esb.ShiftBuffer(a, axis=0)
+        return lax.fori_loop(0, n, lambda i, b: b.insert(0, jnp.full(2, i, a.dtype)), b)
+
+    bufs = jax.jit(jax.vmap(push, in_axes=(None, 0)))(a, counts)
+    for k, n in enumerate(np.asarray(counts)):
+        want = np.asarray(a)
+        for i in range(n):
+            want = ref.insert(want, (0,), np.full(2, i, np.float32), 0)
+        np.testing.assert_array_equal(np.asarray(bufs.array[k]), want)
+
+
+def test_a_ring_crosses_serialisation_and_state(tmp_path):
+    a, _, _ = _args()
+    buf = esb.ShiftBuffer(a, axis=0).insert(0, jnp.ones(2)).insert(0, jnp.ones(2) * 2)
+    path = tmp_path / "buf.eqx"
+    eqx.tree_serialise_leaves(path, buf)
+    back = eqx.tree_deserialise_leaves(path, esb.ShiftBuffer(jnp.zeros_like(a), axis=0))
+    np.testing.assert_array_equal(back.array, buf.array)
+    np.testing.assert_array_equal(back.pop(0)[1], jnp.ones(2) * 2)
+
+    index = eqx.nn.StateIndex(esb.ShiftBuffer(a, axis=0))
+    state = eqx.nn.State(index)
+    step = eqx.filter_jit(lambda s, v: s.set(index, s.get(index).insert(0, v)))
+    for i in range(3):
+        state = step(state, jnp.full(2, float(i)))
+    want = np.asarray(a)
+    for i in range(3):
+        want = ref.insert(want, (0,), np.full(2, float(i), np.float32), 0)
+    np.testing.assert_array_equal(state.get(index).array, want)
