@@ -50,19 +50,20 @@ class ShiftBuffer(eqx.Module):
     leading batch axis on every leaf: `.batch_shape` is that shape, `.array` and
     `.shape` include it, and edits and window reads apply under `jax.vmap`.
 
-    The storage layout is private. At present it is the logical array itself: each
-    edit reads and writes one window or one line (see `eqx_shiftbuf._primitives`),
-    and needs no padding or scratch space.
+    The storage layout is private. A buffer of one line (every dimension before
+    `axis` of length 1: a 1-D buffer, a delay line or stack `(K, D)` shifted along
+    axis 0, a `(1, n)` row) is stored as a ring: its line, rotated by a head kept
+    beside it. Any other buffer is stored as the logical array. Each edit reads
+    and writes one window or one line (see `eqx_shiftbuf._primitives`), and needs
+    no padding or scratch space.
 
     **Costs.** A window access costs O(window); a shift (`insert`, `delete`,
-    `pop`) costs O(line). Where the line is the whole buffer (a 1-D buffer, one
-    line `(1, n)`, a delay line `ShiftBuffer.zeros((K, D), axis=0)` with
-    `insert(0, frame)`), a shift is O(buffer) per step, and XLA writes it out of
-    place and copies it into the loop's carry, as for plain `lax` code (1 copy
-    per step forward, 2 under `grad`). For a delay line or a sliding window use a
-    ring, O(window) per step: write frame `t` with
-    `buf.dynamic_update_slice(frame[None], (t % K, 0))`, read tap `k` with
-    `buf.read(((t - k) % K, 0), (1, D))`.
+    `pop`) costs O(line), except at either end of a ring: `insert(0, x)`,
+    `pop(0)`, `delete(0)`, and the same at `capacity - 1`, with that position a
+    Python or NumPy int, move the head and one element, O(element), so a delay
+    line or a stack costs the same per step whatever its capacity. With a traced
+    index, or in the middle, the line shifts, rotated. (Reading the whole ring,
+    `.array` or `read()`, rotates it: O(line), as the read itself.)
 
     **Choosing an edit at run time.** Do not choose between edits of the buffer
     with `lax.cond` (or `jnp.where` between two edited buffers): XLA copies a

@@ -245,15 +245,15 @@ def insert(
     `col = index[-1]` and `n = x.shape[axis]`), the element at `n-1` is dropped, and
     `value` is written at `col`.
 
-    A shift costs O(line): it reads and rewrites its whole line. Where the line is
-    the whole buffer (a 1-D buffer, a `(1, n)` buffer, a delay line
-    `ShiftBuffer.zeros((K, D), axis=0)` with `insert(0, frame)`), that is O(buffer)
-    per step, and inside a loop XLA writes the shifted buffer out of place and
-    copies it into the loop's carry, as it does for plain `lax` code (1 copy per
-    step forward, 2 under `grad` and `jvp`). For a delay line or a sliding window,
-    a ring is O(window): write frame `t` with
-    `buf.dynamic_update_slice(frame[None], (t % K, 0))` and read tap `k` at row
-    `(t - k) % K` (0 copies in every mode, `tests/natural.py`'s `ring_taps`).
+    A shift costs O(line): it reads and rewrites its line. The exception is an
+    edit at either end of a `ShiftBuffer` of one line (a 1-D buffer, a `(1, n)`
+    buffer, a delay line or stack `ShiftBuffer.zeros((K, D), axis=0)`), with the
+    position along `axis` a Python or NumPy int: the buffer is stored as a ring,
+    and `insert(0, frame)`, `pop(0)`, `delete(0)` and the same at `K - 1` move
+    one element, O(element) whatever `K` (0 copies in every mode; `tests/natural.py`,
+    rows `delay_taps`, `front_stack`, `queue`). A traced index there, or an edit
+    in the middle, shifts the line, rotated. A plain array has no ring: every
+    shift is O(line).
 
     **Arguments:**
 

@@ -3,9 +3,10 @@
 1. For the models of tutorials 2 (TCN), 3 (attention decoder) and 4 (stack RNN,
    both stacks): the gradient's compiled temporary memory (`memory_analysis()`)
    and time, with `lax.scan` and with a checkpointed `esb.scan`.
-2. A long delay line read at a few taps, in two layouts of the same buffer: shifted
-   (`insert` at row 0, taps at fixed rows) and a ring (`dynamic_update_slice` at
-   `t % length`, taps at moving rows): time per step and copies, as the line grows.
+2. Edits at the ends of a line, as it grows: a delay line read at a few taps,
+   written as a shift (`insert` at row 0, taps at fixed rows) and as a ring the
+   user keeps (`dynamic_update_slice` at `t % length`, taps at moving rows), and a
+   stack pushed and popped at row 0: gradient time per step and copies.
 
 Run it by hand: `python docs/examples/layout.py [--size small]`.
 """
@@ -136,6 +137,13 @@ def ring_step(line: esb.ShiftBuffer, inputs):
     return line, y
 
 
+def stack_step(stack: esb.ShiftBuffer, inputs):
+    t, x = inputs
+    stack = stack.insert(0, x).insert(0, 2.0 * x)  # push two rows
+    stack, top = stack.pop(0)  # pop one
+    return stack, top.sum()
+
+
 # --8<-- [end:delay]
 
 
@@ -178,12 +186,16 @@ def main(size: str = "full") -> dict:
     print("(memory, time: esb.scan / lax.scan)")
 
     steps, d = (200, 8) if size == "small" else (2000, 16)
-    lengths = (64,) if size == "small" else (16, 256, 4096)
+    lengths = (64,) if size == "small" else (256, 4096)
     xs = jax.random.normal(jax.random.key(0), (steps, d))
-    print(f"\n2. A delay line of {d} features, {steps} steps, read at delays {TAPS}")
+    print(
+        f"\n2. Lines of {d} features, {steps} steps: a delay line read at delays "
+        f"{TAPS}, shifted or as a ring, and a stack"
+    )
     print(f"{'rows':>6} {'layout':<6} {'grad us/step':>12} {'copies':>6}")
+    steps_by_name = [("shift", shift_step), ("ring", ring_step), ("stack", stack_step)]
     for n in lengths:
-        for name, step in [("shift", shift_step), ("ring", ring_step)]:
+        for name, step in steps_by_name:
             grad = jax.grad(lambda p, xs, step=step, n=n: delay_loss(step, p, xs, n))
             _, ms = measure(grad, (1.0, xs), size)
             copies = esb.find_loop_copies(grad, 1.0, xs, min_bytes=n * d * 2)
@@ -191,6 +203,16 @@ def main(size: str = "full") -> dict:
                 us_per_step=ms * 1e3 / steps, copies=len(copies)
             )
             print(f"{n:>6} {name:<6} {ms * 1e3 / steps:>12.3f} {len(copies):>6d}")
+    if len(lengths) > 1:
+        first, last = lengths[0], lengths[-1]
+        print(f"time at {last} rows / at {first} rows:")
+        for name, _ in steps_by_name:
+            r = out["delay"]
+            ratio = (
+                r[f"{name} {last}"]["us_per_step"] / r[f"{name} {first}"]["us_per_step"]
+            )
+            out["delay"][f"{name} growth"] = ratio
+            print(f"  {name}: {ratio:.2f}")
     return out
 
 
