@@ -199,14 +199,18 @@ def main(argv=None):
         for mode in ("fwd", "grad"):
             times = {v: [] for v in VERSIONS}
             print(f"\n{body} {mode}")
-            print(f"{'K':>6} " + " ".join(f"{v:>9}" for v in VERSIONS) + "  esb/pointer")
+            print(
+                f"{'K':>6} " + " ".join(f"{v:>9}" for v in VERSIONS) + "  esb/pointer"
+            )
             for cap in caps:
                 a = _args(cap, args.steps)
                 for v in VERSIONS:
                     fn = _program(BODIES[body][v], mode)
                     times[v].append(_time(fn, a, args.repeat) / args.steps * 1e6)
                 row = " ".join(f"{times[v][-1]:9.2f}" for v in VERSIONS)
-                print(f"{cap:>6} {row}  {times['esb'][-1] / times['pointer'][-1]:11.2f}")
+                print(
+                    f"{cap:>6} {row}  {times['esb'][-1] / times['pointer'][-1]:11.2f}"
+                )
             growth = " ".join(f"{times[v][-1] / times[v][0]:9.2f}" for v in VERSIONS)
             print(f"{'K=' + str(caps[-1]) + '/K=' + str(caps[0]):>6} {growth}")
 

@@ -12,7 +12,9 @@ buffer of at least 64 KiB. For each row and mode (`fwd`, `grad`, `jvp`,
 finds in the compiled program, for the library (`ShiftBuffer` carry, `esb` ops) and
 for the same step in plain `lax`/`jnp` on an array carry; then, unless `--no-time`,
 the forward and gradient times of both and their ratio (library / plain, measured
-in one run: compare within a run, not across runs).
+in one run: compare within a run, not across runs), and for the library with
+`mode="promise_in_bounds"` its forward over plain lax's (`p.fwd`) and its gradient
+over its forward (`p.g/f`): issue 13 asks for at most 1.1 and 4.
 
 The loss is the corpus's (`corpus.make_loss`): the sum of the per-step outputs plus
 a function of the final buffer, differentiated with respect to the parameter and
@@ -36,6 +38,7 @@ import jax
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 
+from tests.corpus import ESB_PROMISE  # noqa: E402
 from tests.natural import (  # noqa: E402  (the rows the tests check)
     args_for,
     copies,
@@ -69,7 +72,7 @@ def _time(fn, args, repeat: int) -> float:
 def times(row: Row, steps: int, repeat: int) -> dict[tuple[str, str], float]:
     """`(version, mode) -> ms` for fwd and grad, the versions' batches interleaved."""
     fns = {}
-    for name, ops in (("esb", ESB), ("plain", PLAIN)):
+    for name, ops in (("esb", ESB), ("promise", ESB_PROMISE), ("plain", PLAIN)):
         for mode in ("fwd", "grad"):
             fns[name, mode] = jax.jit(
                 program(mode, make_loss(row, ops), row.batch_init)
@@ -115,7 +118,10 @@ def main(argv=None) -> None:
     )
     head = f"{'row':12} " + " ".join(f"{m:>11}" for m in modes)
     if not a.no_time:
-        head += f" {'fwd ms':>7} {'plain':>7} {'ratio':>6} {'grad ms':>8} {'plain':>8} {'ratio':>6}"
+        head += (
+            f" {'fwd ms':>7} {'plain':>7} {'ratio':>6} {'grad ms':>8} {'plain':>8}"
+            f" {'ratio':>6} {'p.fwd':>6} {'p.g/f':>6}"
+        )
     print(head)
     for row in rows:
         cells = []
@@ -136,6 +142,8 @@ def main(argv=None) -> None:
                 f" {t['esb', 'fwd'] / t['plain', 'fwd']:6.2f}"
                 f" {t['esb', 'grad']:8.3f} {t['plain', 'grad']:8.3f}"
                 f" {t['esb', 'grad'] / t['plain', 'grad']:6.2f}"
+                f" {t['promise', 'fwd'] / t['plain', 'fwd']:6.2f}"
+                f" {t['promise', 'grad'] / t['promise', 'fwd']:6.2f}"
             )
         print(line, flush=True)
         if a.verbose:

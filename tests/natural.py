@@ -486,7 +486,7 @@ def batched(xs, seed: int = 1):
 
 def make_loss(row: Row, ops) -> Callable:
     body = corpus.Body(row.name, row.step, axis=row.axis)
-    scan = row.scan if ops is ESB else lax.scan
+    scan = lax.scan if ops is PLAIN else row.scan
     return corpus.make_loss(body, ops, scan=scan)
 
 
