@@ -11,6 +11,12 @@ they come in transpose pairs, so reverse mode never leaves the family:
 | `insert_p` | shift a line right from `col`, write the value   | `pop_p`     |
 | `pop_p`    | remove `line[col]`, shift left, fill the end     | `insert_p`  |
 
+A ring (`_ops.Ring`: a buffer of one line, stored rotated by a head) passes its
+head to `insert_p` and `pop_p` as one more index operand, and they shift the line
+rotated. A sixth primitive, `rotate_p`, touches no storage: it rotates a value (a
+ring's whole line as read, or an update of a whole line), and its transpose is the
+rotation back.
+
 **Which accesses are loops.** XLA updates a loop-carried buffer in place only when
 every other reader of the old buffer is ordered before the write *by data
 dependence*; it duplicates cheap reads into their consumers, fuses a read with the
