@@ -40,6 +40,10 @@ SCRIPT = textwrap.dedent(
         assert S.keeps_sharding(out, sh), name
         cols = S.collectives(fn, a, 1 << 16)
         assert not cols, (name, cols)
+        # Nor any collective, however small, at every step (a sharded batch's
+        # tokens reduced across devices at each access: 3 all-reduces a step).
+        cols = S.collectives(fn, a, in_loops=True)
+        assert not cols, (name, "in loops", cols)
         assert not esb.find_loop_copies(fn, *a), name
         print("ok", name)
 
