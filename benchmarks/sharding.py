@@ -22,12 +22,13 @@ Probes:
 - `scan`: the gradient of the same loop as `esb.scan` with the sharded carry.
 
 For each: whether it runs, whether values and gradients equal the unsharded run
-(exactly), whether outputs keep the input's sharding, the collectives on
-buffer-sized operands (at least `--min-bytes`) in the compiled program, and the
-per-step buffer copies (`esb.find_loop_copies`). Then times, in one run: sharded
-over 4 devices vs one device, and vs plain `jnp` (vmapped `dynamic_slice`/`where`/
-`roll`/`dynamic_update_slice`) sharded the same way. The forced CPU devices share
-the machine's cores, so sharding cannot be faster here; the target is a ratio of at
+(exactly), whether outputs keep the input's sharding, the collectives in the
+compiled program (on buffer-sized operands, at least `--min-bytes`; of any size;
+of any size inside a loop, which run at every step), and the per-step buffer
+copies (`esb.find_loop_copies`). Then times, in one run: sharded over 4 devices
+vs one device, and vs plain `jnp` (vmapped `dynamic_slice`/`where`/`roll`/
+`dynamic_update_slice`) sharded the same way. The forced CPU devices share the
+machine's cores, so sharding cannot be faster here; the target is a ratio of at
 most 2 against one device.
 """
 
@@ -144,19 +145,65 @@ def _bytes(shape_text: str) -> int:
     return best
 
 
-def collectives(fn, args, min_bytes: int) -> dict[str, int]:
-    """Counts of collectives in the compiled program of `fn(*args)` whose result
-    is at least `min_bytes`: `{op: count}` (only the nonzero ones)."""
-    text = fn.lower(*args).compile().as_text()
-    counts: dict[str, int] = {}
+_CALLED = re.compile(
+    r"\b(?:body|condition|calls|to_apply|true_computation|false_computation"
+    r"|branch_computations)=\{?(%[\w.\-]+(?:,\s*%[\w.\-]+)*)\}?"
+)
+
+
+def _computations(text: str) -> dict[str, list[str]]:
+    """The instruction lines of each computation of an HLO module's text."""
+    comps: dict[str, list[str]] = {}
+    lines: list[str] = []
     for line in text.splitlines():
-        m = re.match(r"\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*(.*?)\s([a-z\-]+)\(", line)
-        if not m:
+        m = re.match(r"(?:ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$", line)
+        if m and not line.startswith(" "):
+            lines = comps.setdefault(m.group(1), [])
+        elif line.startswith(" "):
+            lines.append(line)
+    return comps
+
+
+def _in_loops(comps: dict[str, list[str]]) -> set[str]:
+    """The computations that run inside a `while` loop: the loops' bodies and
+    conditions, and every computation they call, transitively."""
+    todo = [
+        name.lstrip("%")
+        for lines in comps.values()
+        for line in lines
+        if " while(" in line
+        for name in re.findall(r"\b(?:body|condition)=(%[\w.\-]+)", line)
+    ]
+    seen: set[str] = set()
+    while todo:
+        name = todo.pop()
+        if name in seen:
             continue
-        result, op = m.group(1), m.group(2)
-        op = op.removesuffix("-start")
-        if op in COLLECTIVES and _bytes(result) >= min_bytes:
-            counts[op] = counts.get(op, 0) + 1
+        seen.add(name)
+        for line in comps.get(name, ()):
+            for group in _CALLED.findall(line):
+                todo.extend(n.strip().lstrip("%") for n in group.split(","))
+    return seen
+
+
+def collectives(fn, args, min_bytes: int = 0, in_loops: bool = False) -> dict[str, int]:
+    """Counts of collectives in the compiled program of `fn(*args)` whose result
+    is at least `min_bytes` (with `in_loops`, only those that run inside a loop,
+    at every step): `{op: count}` (only the nonzero ones)."""
+    comps = _computations(fn.lower(*args).compile().as_text())
+    looped = _in_loops(comps) if in_loops else None
+    counts: dict[str, int] = {}
+    for name, lines in comps.items():
+        if looped is not None and name not in looped:
+            continue
+        for line in lines:
+            m = re.match(r"\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*(.*?)\s([a-z\-]+)\(", line)
+            if not m:
+                continue
+            result, op = m.group(1), m.group(2)
+            op = op.removesuffix("-start")
+            if op in COLLECTIVES and _bytes(result) >= min_bytes:
+                counts[op] = counts.get(op, 0) + 1
     return counts
 
 
@@ -192,16 +239,19 @@ def probe(name, fn, args, ref, sharding, min_bytes, report) -> bool:
     try:
         out = jax.block_until_ready(fn(*args))
     except Exception as e:  # noqa: BLE001 - a probe reports what failed
-        report.append(f"{name:<22} FAILS  {short(e)}")
+        report.append(f"{name:<23} FAILS {short(e)}")
         if os.environ.get("ESB_TRACEBACK"):
             traceback.print_exc()
         return False
-    cols = collectives(fn, args, min_bytes)
+    big = sum(collectives(fn, args, min_bytes).values())
+    small = sum(collectives(fn, args).values())
+    looped = sum(collectives(fn, args, in_loops=True).values())
     copies = len(esb.find_loop_copies(fn, *args))
     report.append(
-        f"{name:<22} runs   exact={exact(out, ref)!s:<5} "
+        f"{name:<23} runs  exact={exact(out, ref)!s:<5} "
         f"keeps sharding={keeps_sharding(out, sharding)!s:<5} "
-        f"collectives={sum(cols.values())} {cols or ''} loop copies={copies}"
+        f"collectives: buffer-sized {big}, any size {small}, in loops {looped}; "
+        f"loop copies {copies}"
     )
     return True
 

@@ -93,6 +93,8 @@ from ._xla import (
     run_time_indices,
     split_over_devices,
     to_carrier,
+    tokens_per_element,
+    tokens_reduced_locally,
     varying_axes_of_aval,
     widened_write,
     window2_edit,
@@ -657,6 +659,7 @@ def _pop_abstract(storage, tok, *idx, axis, fill, read, ordered, nbatch):
 def _define(name: str, impl: Callable, abstract: Callable, n_arrays: int) -> Primitive:
     p = Primitive(name)
     p.multiple_results = True
+    impl = tokens_reduced_locally(impl)
     p.def_impl(
         lambda *args, **params: jax.jit(impl, static_argnames=tuple(params))(
             *args, **params
@@ -1046,7 +1049,10 @@ ad.primitive_transposes[pop_p] = _pop_transpose
 # with batched indices or values is broadcast only when the primitive writes (each
 # batch element then needs its own buffer); a read from an unbatched storage simply
 # reads `B` windows. A batched token (a batch of buffers, each with its own) is
-# reduced to one: the batch's accesses run in one loop, after all of them.
+# reduced to one: the batch's accesses run in one loop, after all of them; except
+# that a batch sharded over devices keeps one token per element, reduced by each
+# device for its own elements (`tokens_per_element`). The token result is batched
+# (at 0) exactly when it is not a scalar.
 
 
 def _move_front(x, bd, size):
@@ -1067,20 +1073,28 @@ def _batch_common(args, dims, n_leading: int, write: bool):
     values, idx = rest[:n_leading], rest[n_leading:]
     vdims, idims = rdims[:n_leading], rdims[n_leading:]
     size = next(a.shape[d] for a, d in zip(args, dims) if d is not None)
-    if tdim is not None:
+    storage_batched = sdim is not None or write
+    if storage_batched and tokens_per_element(tok, tdim):
+        tok = _move_front(tok, tdim, size)  # the storage's batch dimensions
+    elif tdim is not None and jnp.ndim(tok) == 1:
         tok = jnp.max(jnp.moveaxis(tok, tdim, 0).reshape(size, -1), axis=0)[0]
+    elif jnp.ndim(tok) > 0:
+        tok = jnp.max(tok)
     i0, d0 = idx[0], idims[0]
     bshape = tuple(i0.shape) if d0 is None else i0.shape[:d0] + i0.shape[d0 + 1 :]
     idx = [
         _move_front(i, d, size).reshape((size,) + bshape) for i, d in zip(idx, idims)
     ]
-    storage_batched = sdim is not None or write
     if storage_batched:
         storage = _move_front(storage, sdim, size)
         pos = lax.broadcasted_iota(idx[0].dtype, (size,) + bshape, 0)
         idx = [pos] + idx
     values = [_move_front(v, d, size) for v, d in zip(values, vdims)]
     return storage, tok, values, idx, storage_batched
+
+
+def _tdim(tok) -> int | None:
+    return 0 if jnp.ndim(tok) else None
 
 
 def _read_batch(args, dims, *, sizes, nbatch):
@@ -1091,14 +1105,15 @@ def _read_batch(args, dims, *, sizes, nbatch):
     s, w, t = bind_read(storage, tok, idx, sizes, nbatch + 1 if sb else 0)
     if sb:
         w = w.reshape(w.shape[: len(idx[0].shape)] + w.shape[len(idx[0].shape) + 1 :])
-    return (s, w, t), (0 if sb else None, 0, None)
+    return (s, w, t), (0 if sb else None, 0, _tdim(t))
 
 
 def _accum_batch(args, dims, *, ordered, nbatch):
     storage, tok, (window,), idx, _ = _batch_common(args, dims, 1, write=True)
     nb = len(idx[0].shape)
     window = window.reshape(window.shape[:nb] + (1,) + window.shape[nb:])
-    return tuple(bind_accum(storage, tok, window, idx, ordered, nbatch + 1)), (0, None)
+    s, t = bind_accum(storage, tok, window, idx, ordered, nbatch + 1)
+    return (s, t), (0, _tdim(t))
 
 
 def _swap_batch(args, dims, *, read, nbatch):
@@ -1106,19 +1121,19 @@ def _swap_batch(args, dims, *, read, nbatch):
     nb = len(idx[0].shape)
     update = update.reshape(update.shape[:nb] + (1,) + update.shape[nb:])
     s, old, t = bind_swap(storage, tok, update, idx, read, nbatch + 1)
-    return (s, old.reshape(old.shape[:nb] + old.shape[nb + 1 :]), t), (0, 0, None)
+    return (s, old.reshape(old.shape[:nb] + old.shape[nb + 1 :]), t), (0, 0, _tdim(t))
 
 
 def _insert_batch(args, dims, *, axis, ordered, nbatch):
     storage, tok, (value,), idx, _ = _batch_common(args, dims, 1, write=True)
-    out = bind_insert(storage, tok, value, idx, axis + 1, ordered, nbatch + 1)
-    return tuple(out), (0, None)
+    s, t = bind_insert(storage, tok, value, idx, axis + 1, ordered, nbatch + 1)
+    return (s, t), (0, _tdim(t))
 
 
 def _pop_batch(args, dims, *, axis, fill, read, ordered, nbatch):
     storage, tok, _, idx, _ = _batch_common(args, dims, 0, write=True)
-    out = bind_pop(storage, tok, idx, axis + 1, fill, read, ordered, nbatch + 1)
-    return tuple(out), (0, 0, None)
+    s, v, t = bind_pop(storage, tok, idx, axis + 1, fill, read, ordered, nbatch + 1)
+    return (s, v, t), (0, 0, _tdim(t))
 
 
 batching.primitive_batchers[read_p] = _read_batch

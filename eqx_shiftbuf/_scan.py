@@ -38,7 +38,7 @@ import jax.numpy as jnp
 import jax.tree_util as jtu
 import numpy as np
 from jax import lax
-from jax._src import api_util, core as jcore, linear_util as lu
+from jax._src import ad_util, api_util, core as jcore, linear_util as lu
 from jax._src.interpreters import partial_eval as pe
 from jax.extend.core import ClosedJaxpr, jaxpr_as_fun, Primitive
 from jax.interpreters import ad, batching, mlir
@@ -73,7 +73,18 @@ def _aval(x: Any) -> Any:
 
 
 def _stacked(length: int, aval: Any) -> Any:
-    return jcore.ShapedArray((length, *aval.shape), aval.dtype)
+    # `unmapped_aval`, not a new `ShapedArray` of the shape: the type keeps the
+    # value's sharding (unsharded along the new axis) and its `shard_map` varying
+    # axes. On a mesh with explicit axes JAX checks shardings as types, and a
+    # stack of unsharded type mixed with sharded carries fails to trace (or, where
+    # JAX can resolve it, reshards).
+    return jcore.unmapped_aval(length, 0, aval)
+
+
+def _zeros(aval: Any) -> jax.Array:
+    """Zeros of the type `aval`, its sharding and varying axes included (unlike
+    `jnp.zeros(aval.shape, aval.dtype)`, an unsharded, invariant value)."""
+    return ad_util.zeros_like_aval(aval.update(weak_type=False))
 
 
 def _float0_zeros(aval: Any) -> np.ndarray:
@@ -186,7 +197,7 @@ def _scan_impl(
     normal = _normal(roles)
     assert sched.primal_slot[0] == 0
     snaps0 = [
-        jnp.zeros((sched.checkpoints, *jnp.shape(c)), jnp.result_type(c)).at[0].set(c)
+        _zeros(_stacked(sched.checkpoints, _aval(c))).at[0].set(c)
         for c in _pick(init, normal)
     ]
 
@@ -465,7 +476,7 @@ def _reverse_pass(
             elif r == BUFFER:
                 out.append(next(it_f))
             else:
-                out.append(jnp.zeros(a.shape, a.dtype))
+                out.append(_zeros(a))
         return out
 
     def advance(state):
@@ -512,11 +523,8 @@ def _reverse_pass(
         return snaps, list(dc), ct_k, ct_x
 
     ct_c0 = pick(ct_carry, diff_carry)
-    ct_k0 = [
-        jnp.zeros(a.shape, a.dtype)
-        for a in pick(jaxpr.in_avals[: len(consts)], diff_consts)
-    ]
-    ct_x0 = [jnp.zeros((length, *a.shape), a.dtype) for a in pick(x_avals, diff_xs)]
+    ct_k0 = [_zeros(a) for a in pick(jaxpr.in_avals[: len(consts)], diff_consts)]
+    ct_x0 = [_zeros(_stacked(length, a)) for a in pick(x_avals, diff_xs)]
     _, ct_c, ct_k, ct_x = lax.fori_loop(
         0, length, reversal, (list(snaps), ct_c0, ct_k0, ct_x0)
     )
@@ -798,7 +806,15 @@ def scan(
     slots = min(slots, max(length, 1))
 
     carry_avals = [_aval(c) for c in init_flat]
-    x_avals = [jcore.ShapedArray(x.shape[1:], x.dtype) for x in xs_flat]
+    # A step's inputs have the types of the `xs` less their scanned axis, sharding
+    # included, as `lax.scan` traces its body (`core.mapped_aval`). Typed as plain
+    # unsharded arrays they broke a body that vmaps over a carry sharded on an
+    # explicit mesh together with per-step inputs: `jax.vmap` requires the mapped
+    # axes of its inputs to be sharded alike ("Mapped away dimension of inputs
+    # passed to vmap should be sharded the same ... b vs None").
+    x_avals = [
+        jcore.mapped_aval(length, 0, _aval(x)).update(weak_type=False) for x in xs_flat
+    ]
     out_tree_box = []
     promote: dict[int, Any] = {}
 
@@ -847,7 +863,7 @@ def scan(
     (y_tree,) = out_tree_box
     num_carry = len(init_flat)
     if length == 0:
-        ys = [jnp.zeros((0, *a.shape), a.dtype) for a in jaxpr.out_avals[num_carry:]]
+        ys = [_zeros(_stacked(0, a)) for a in jaxpr.out_avals[num_carry:]]
         carry = jtu.tree_unflatten(init_tree, init_flat)
         return unwrap(carry), jtu.tree_unflatten(y_tree, ys)
     if reverse:

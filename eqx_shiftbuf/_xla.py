@@ -21,6 +21,7 @@ its docstring says what XLA does without it and which test fails if it goes:
 | `invariant` | (JAX, not XLA) `shard_map`'s checks refuse a varying value in Equinox's check |
 | `split_over_devices` | gathers the whole sharded batch to loop over its elements |
 | `lowered_without_explicit_shardings` | (JAX) refuses the lowering's slices of a sharded dimension |
+| `tokens_per_element` / `tokens_reduced_locally` | (JAX) all-reduces a sharded batch of tokens at every access |
 
 These behaviours were measured on XLA:CPU with jaxlib 0.10.x (the pinned range in
 `pyproject.toml`); the tests named in each docstring are what tells if a new XLA
@@ -590,3 +591,62 @@ def _unsharded(aval):
     if not _explicitly_sharded(aval):
         return aval
     return ShapedArray(aval.shape, aval.dtype, aval.weak_type)
+
+
+def tokens_per_element(tok: Any, tdim: int | None) -> bool:
+    """Whether a batched access keeps the batch's tokens one per element (an
+    operand and result of the batched primitive shaped as its batch dimensions),
+    rather than reducing them to one scalar token for the whole batch, as it does
+    otherwise: `tok` is the token operand under `jax.vmap`, batched along `tdim`.
+
+    Per element when `tok` already is (its unbatched shape is not scalar), or when
+    its batch dimension is sharded over devices in its type (a mesh with explicit
+    axes, the default of `jax.make_mesh`). There, the scalar token of a batch is a
+    `max` over a sharded dimension, which the partitioned program computes with an
+    all-reduce across devices, and its JVP and transpose with one more each: 3
+    small all-reduces every step of a vmapped insert + delete `lax.scan`'s
+    gradient, each a barrier for all devices, which made it 5 times slower on 4
+    CPU devices than on one. Kept per element, the tokens are reduced by the
+    primitive's own lowering (`tokens_reduced_locally`), which the partitioned
+    program runs on each device's own elements (`split_over_devices`): no
+    collective. On an `Auto` mesh the types carry no sharding and XLA's
+    partitioner keeps the scalar token local; on one device there is nothing to
+    split; both keep the scalar token (whose lowering is unchanged).
+
+    Pinned by `tests/test_sharding.py` (no collective in any loop of the
+    compiled gradient).
+    """
+    shape = jnp.shape(tok)
+    if len(shape) > (0 if tdim is None else 1):
+        return True
+    if tdim is None:
+        return False
+    sharding = getattr(jax.typeof(tok), "sharding", None)
+    mesh = getattr(sharding, "mesh", None)
+    if mesh is None or mesh.empty or getattr(mesh, "manual_axes", ()):
+        return False
+    spec = tuple(sharding.spec)  # pyright: ignore[reportOptionalMemberAccess]  (a mesh implies a sharding)
+    return tdim < len(spec) and spec[tdim] is not None
+
+
+def tokens_reduced_locally(impl: Callable) -> Callable:
+    """`impl` (a primitive's implementation: operands `(storage, token, ...)`,
+    the token its last result) for a token that may be one per batch element
+    (`tokens_per_element`): the access waits for the `max` of the tokens, and
+    returns its token broadcast back to their shape. A scalar token is passed
+    through as it is.
+
+    Inside the lowering, the reduction covers the elements the device edits
+    (`split_over_devices` hands each device its own), so the tokens of other
+    devices' elements, which order nothing here, need no collective.
+
+    Pinned by `tests/test_sharding.py`, as `tokens_per_element`.
+    """
+
+    def wrapped(storage, tok, *rest, **params):
+        if jnp.ndim(tok) == 0:
+            return impl(storage, tok, *rest, **params)
+        out = impl(storage, jnp.max(tok), *rest, **params)
+        return (*out[:-1], jnp.broadcast_to(out[-1], jnp.shape(tok)))
+
+    return wrapped
