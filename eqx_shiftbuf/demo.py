@@ -1,6 +1,7 @@
 """Plain `lax` versus `eqx_shiftbuf` on an insert-then-delete `lax.scan`.
 
-Run with `python -m eqx_shiftbuf.demo`. Each of 1000 scan steps inserts
+Run with `python -m eqx_shiftbuf.demo` (`--size small`: a 64 x 256 buffer and 20
+steps, timed briefly, as the tests run it). Each of 1000 scan steps inserts
 `sin(p * x_t)` into one row of a 1000 x 500 float32 buffer at some column, then
 deletes the element at some column of another row; the loss is the mean squared
 difference between the final buffer and a target. Rows, columns and data are jit
@@ -14,6 +15,7 @@ iteration, so its cost grows with the buffer.
 
 from __future__ import annotations
 
+import argparse
 import timeit
 from collections.abc import Callable
 
@@ -26,6 +28,10 @@ import eqx_shiftbuf as esb
 
 
 N_STEPS, N_ROWS, N_COLS = 1000, 1000, 500
+SIZES = {
+    "full": dict(n_rows=N_ROWS, n_cols=N_COLS, n_steps=N_STEPS),
+    "small": dict(n_rows=64, n_cols=256, n_steps=20),
+}
 
 
 def make_args(n_rows=N_ROWS, n_cols=N_COLS, n_steps=N_STEPS, active_rows=None, seed=0):
@@ -91,24 +97,26 @@ VERSIONS = {
 }
 
 
-def time_ms(fn, args, repeat=5) -> float:
+def time_ms(fn, args, repeat=5, number=None) -> float:
     """Min-of-repeats time of one call in ms, after a warm-up call.
 
-    Each repeat runs as many calls as `timeit` needs for about 0.2 s.
+    Each repeat runs `number` calls, by default as many as `timeit` needs for about
+    0.2 s.
     """
     call = lambda: jax.block_until_ready(fn(*args))
     call()
     timer = timeit.Timer(call)
-    number, _ = timer.autorange()
+    if number is None:
+        number, _ = timer.autorange()
     return min(timer.repeat(number=number, repeat=repeat)) / number * 1e3
 
 
-def measure(loss, args, repeat=5) -> dict:
+def measure(loss, args, repeat=5, number=None) -> dict:
     """Times, copy counts and results of one version's jitted loss and gradient."""
     f, g = jax.jit(loss), jax.jit(jax.grad(loss))
     return dict(
-        fwd_ms=time_ms(f, args, repeat),
-        grad_ms=time_ms(g, args, repeat),
+        fwd_ms=time_ms(f, args, repeat, number),
+        grad_ms=time_ms(g, args, repeat, number),
         fwd_copies=len(esb.find_loop_copies(f, *args)),
         grad_copies=len(esb.find_loop_copies(g, *args)),
         value=float(f(*args)),
@@ -130,16 +138,22 @@ def row(name: str, m: dict) -> str:
     )
 
 
-def main() -> None:
-    args = make_args()
+def main(size: str = "full") -> dict:
+    """Print the table for `size` ("full" or "small") and return the measurements
+    of each version."""
+    dims = SIZES[size]
+    args = make_args(**dims)
     print(
-        f"{N_STEPS}-step scan, insert + delete per step, {N_ROWS} x {N_COLS} float32 "
-        f"buffer, {jax.devices()[0].platform}, jax {jax.__version__}"
+        f"{dims['n_steps']}-step scan, insert + delete per step, "
+        f"{dims['n_rows']} x {dims['n_cols']} float32 buffer, "
+        f"{jax.devices()[0].platform}, jax {jax.__version__}"
     )
     print(HEADER)
+    # At the small size, a few calls: the times are only shown.
+    repeat, number = (5, None) if size == "full" else (2, 3)
     results = {}
     for name, loss in VERSIONS.items():
-        results[name] = measure(loss, args)
+        results[name] = measure(loss, args, repeat, number)
         print(row(name, results[name]))
     a, b = results["plain lax"], results["eqx_shiftbuf"]
     grads_ok = np.allclose(a["grad"], b["grad"], rtol=1e-4, atol=1e-6)
@@ -148,7 +162,10 @@ def main() -> None:
         f"gradients agree: {grads_ok} ({a['grad']:.8g} vs {b['grad']:.8g}); "
         f"forward values agree: {values_ok} ({a['value']:.8g} vs {b['value']:.8g})"
     )
+    return results
 
 
 if __name__ == "__main__":
-    main()
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--size", choices=sorted(SIZES), default="full")
+    main(parser.parse_args().size)

@@ -77,3 +77,17 @@ def jnp_dynamic_update_slice(x, update, starts):
     from jax import lax
 
     return lax.dynamic_update_slice(x, update, starts)
+
+
+def jit_reference(fn, **kwargs):
+    """`jax.jit(fn)` for a reference program: plain `lax`/`jnp` autodiff, whose
+    values the library's must match, that nothing else is checked on.
+
+    Compiled at XLA's backend optimisation level 0 (LLVM's code generation without
+    its optimisations), which halves the compile time of these programs; the
+    values agree with the default level's to rounding. The library's own programs,
+    whose compiled code and copies the tests check, are compiled as a user's are.
+    """
+    import jax
+
+    return jax.jit(fn, compiler_options={"xla_backend_optimization_level": 0}, **kwargs)

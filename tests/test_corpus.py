@@ -8,15 +8,25 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax import lax
 
 import eqx_shiftbuf as esb
-from eqx_shiftbuf._inspect import loop_copies_in_hlo
 
-from . import corpus
+from . import corpus, reference
 
 
 ROWS, COLS, STEPS, BATCH = 64, 512, 8, 3
 NAMES = [b.name for b in corpus.BODIES]
+
+
+@pytest.fixture(scope="module", params=NAMES)
+def name(request):
+    """The corpus body. Module-scoped, so that pytest runs each body's tests
+    together, and the programs they share are compiled once (the caches below,
+    emptied when the next body starts)."""
+    yield request.param
+    _program.cache_clear()
+    _outputs.cache_clear()
 
 
 def _inputs(body, dtype=jnp.float32):
@@ -35,77 +45,84 @@ def _min_bytes(init):
     return init.size * init.dtype.itemsize // 2
 
 
-def _assert_no_copies(ops, name, mode):
+def _checkpointed(f, c, x):
+    # The ShiftBuffer carry is stored at 3 checkpoints and steps are rerun from them.
+    return esb.scan(f, c, x, checkpoints=3)
+
+
+@functools.cache
+def _program(name, mode, ops, dtype, scan=lax.scan):
+    """`(jitted program, its arguments)`: `name`'s loss under `mode`, written with
+    `ops`, its buffer of `dtype`. One jitted object, so that the tests that compile
+    it (for its values, its copies) share one compile."""
     body = corpus.BODIES_BY_NAME[name]
-    fn = corpus.program(mode, corpus.make_loss(body, ops))
-    args = _args(body, mode)
-    copies = esb.find_loop_copies(fn, *args, min_bytes=_min_bytes(args[1]))
-    assert copies == [], "\n".join(map(str, copies))
+    program = corpus.program(mode, corpus.make_loss(body, ops, scan=scan))
+    jit = reference.jit_reference if ops is corpus.PLAIN else jax.jit
+    return jit(program), _args(body, mode, dtype)
+
+
+@functools.cache
+def _outputs(name, mode, ops, dtype, scan=lax.scan):
+    """The program's outputs, as NumPy arrays."""
+    fn, args = _program(name, mode, ops, dtype, scan)
+    return [np.asarray(x) for x in jax.tree.leaves(fn(*args))]
+
+
+def _copies(name, mode, ops, dtype=jnp.float32, scan=lax.scan):
+    fn, args = _program(name, mode, ops, dtype, scan)
+    return esb.find_loop_copies(fn, *args, min_bytes=_min_bytes(args[1]))
+
+
+def _plain_autodiff(name, mode):
+    """The body written with plain `lax` ops, under `mode`, in float64: the values
+    and derivatives the library must give (shared by the tests below)."""
+    return _outputs(name, mode, corpus.PLAIN, jnp.float64)
+
+
+def _assert_close(got, want):
+    assert len(got) == len(want)
+    for a, b in zip(got, want):
+        np.testing.assert_allclose(a, b, rtol=1e-10, atol=1e-12)
 
 
 @pytest.mark.parametrize("mode", corpus.MODES)
-@pytest.mark.parametrize("name", NAMES)
 def test_no_per_iteration_copies(name, mode):
-    _assert_no_copies(corpus.ESB, name, mode)
+    copies = _copies(name, mode, corpus.ESB)
+    assert copies == [], "\n".join(map(str, copies))
 
 
 @pytest.mark.parametrize("mode", ["forward", "grad"])
-@pytest.mark.parametrize("name", NAMES)
 def test_no_per_iteration_copies_without_index_checks(name, mode):
     # The run-time index checks are conditionals, which XLA does not fuse across:
     # without them (`mode="promise_in_bounds"`) more fusion is possible, and three
     # inserts in one step once copied that way.
-    _assert_no_copies(corpus.ESB_PROMISE, name, mode)
-
-
-@functools.cache
-def _plain_autodiff(name, mode):
-    """The body written with plain `lax` ops, under `mode`, in float64: the values
-    and derivatives the library must give (shared by the tests below)."""
-    body = corpus.BODIES_BY_NAME[name]
-    args = _args(body, mode, jnp.float64)
-    out = jax.jit(corpus.program(mode, corpus.make_loss(body, corpus.PLAIN)))(*args)
-    return [np.asarray(x) for x in jax.tree.leaves(out)]
-
-
-@pytest.mark.parametrize("mode", corpus.MODES)
-@pytest.mark.parametrize("name", NAMES)
-def test_matches_plain_autodiff(name, mode):
-    body = corpus.BODIES_BY_NAME[name]
-    args = _args(body, mode, jnp.float64)
-    ours = jax.jit(corpus.program(mode, corpus.make_loss(body, corpus.ESB)))(*args)
-    leaves, ref = jax.tree.leaves(ours), _plain_autodiff(name, mode)
-    assert len(leaves) == len(ref)
-    for a, b in zip(leaves, ref):
-        np.testing.assert_allclose(a, b, rtol=1e-10, atol=1e-12)
-
-
-@pytest.mark.parametrize("mode", ["grad", "jvp", "vmap(grad)"])
-@pytest.mark.parametrize("name", NAMES)
-def test_under_checkpointed_esb_scan(name, mode):
-    # The ShiftBuffer carry is stored at 3 checkpoints and steps are rerun from them:
-    # same values and gradients as plain autodiff of lax.scan, no per-iteration copy.
-    body = corpus.BODIES_BY_NAME[name]
-    scan = lambda f, c, x: esb.scan(f, c, x, checkpoints=3)
-    ours = corpus.make_loss(body, corpus.ESB, scan=scan)
-    args = _args(body, mode, jnp.float64)
-    # One compile for both checks: the values, and the copies in its loops.
-    compiled = jax.jit(corpus.program(mode, ours)).lower(*args).compile()
-    got = compiled(*args)
-    want = _plain_autodiff(name, mode)
-    for a, b in zip(jax.tree.leaves(got), want, strict=True):
-        np.testing.assert_allclose(a, b, rtol=1e-10, atol=1e-12)
-    copies = loop_copies_in_hlo(compiled.as_text(), _min_bytes(args[1]))
+    copies = _copies(name, mode, corpus.ESB_PROMISE)
     assert copies == [], "\n".join(map(str, copies))
 
 
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("mode", corpus.MODES)
+def test_matches_plain_autodiff(name, mode):
+    ours = _outputs(name, mode, corpus.ESB, jnp.float64)
+    _assert_close(ours, _plain_autodiff(name, mode))
+
+
+@pytest.mark.parametrize("mode", ["grad", "jvp", "vmap(grad)"])
+def test_under_checkpointed_esb_scan(name, mode):
+    # The ShiftBuffer carry is stored at 3 checkpoints and steps are rerun from them:
+    # same values and gradients as plain autodiff of lax.scan, no per-iteration copy.
+    # One compile for both checks: the values, and the copies in its loops.
+    f64 = jnp.float64
+    ours = _outputs(name, mode, corpus.ESB, f64, _checkpointed)
+    _assert_close(ours, _plain_autodiff(name, mode))
+    copies = _copies(name, mode, corpus.ESB, f64, _checkpointed)
+    assert copies == [], "\n".join(map(str, copies))
+
+
 def test_promise_in_bounds_gives_the_same_values(name):
-    body = corpus.BODIES_BY_NAME[name]
-    args = _args(body, "grad", jnp.float64)
-    checked = jax.jit(jax.grad(corpus.make_loss(body, corpus.ESB)))(*args)
-    promised = jax.jit(jax.grad(corpus.make_loss(body, corpus.ESB_PROMISE)))(*args)
-    for a, b in zip(jax.tree.leaves(checked), jax.tree.leaves(promised)):
+    checked = _outputs(name, "grad", corpus.ESB, jnp.float64)
+    promised = _outputs(name, "grad", corpus.ESB_PROMISE, jnp.float64)
+    assert len(checked) == len(promised)
+    for a, b in zip(checked, promised):
         np.testing.assert_array_equal(a, b)
 
 

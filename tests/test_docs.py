@@ -3,8 +3,8 @@
 - `mkdocs build --strict` (in a subprocess, as a reader would run it) passes. A
   full build runs every program a page names in a `<!-- run: ... -->` line (the
   tutorials, `docs/examples/`) and shows what it printed (see `docs/_hooks.py`);
-  here each program runs on its own, at its small size, in a test that checks the
-  values it returns (the claims its page makes).
+  here the programs run at their small size, in two processes of their own, and a
+  check per program tests the values it returns (the claims its page makes).
 - Every public name, and every public member of the public classes, has an entry
   in the API reference.
 - Every `python` code block of `docs/*.md` runs, in order, one namespace per page,
@@ -66,8 +66,8 @@ def public_members(cls) -> set[str]:
 
 @needs_mkdocs
 def test_site_builds_strict_with_every_public_name(tmp_path):
-    # The programs the pages name run in `test_program_runs`, one test each (so
-    # that they run in parallel): here the build shows a placeholder.
+    # The programs the pages name run in `test_program_runs`: here the build
+    # shows a placeholder.
     site = tmp_path / "site"
     env = dict(
         os.environ,
@@ -169,28 +169,70 @@ def _check_layout(layout):
         assert r["copies"] == 0, (name, r)
 
 
+# The programs in two processes of their own, each program after
+# `jax.clear_caches()` as the build's hook runs them (`docs/_hooks.py`): a process
+# per program paid JAX's start-up and first compile seven times over. Two groups of
+# about the same run time, so that two workers share them.
+PROGRAM_GROUPS = [
+    ("stack_rnn", "kv_cache", "sorted_rows", "copying_step"),
+    ("layout", "streaming_conv", "eqx_scan"),
+]
+
+_RUNNER = """\
+import importlib.util, json, pathlib, sys, traceback
+import jax
+out = pathlib.Path(sys.argv[1])
+for name, path in json.loads(sys.argv[2]).items():
+    jax.clear_caches()
+    try:
+        spec = importlib.util.spec_from_file_location("prog_" + name, path)
+        m = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = m
+        spec.loader.exec_module(m)
+        result = json.dumps(m.main(size="small"), default=str)
+    except BaseException:
+        (out / (name + ".error")).write_text(traceback.format_exc())
+    else:
+        (out / (name + ".json")).write_text(result)
+"""
+
+
+def test_program_groups_cover_every_program():
+    names = [n for group in PROGRAM_GROUPS for n in group]
+    assert sorted(names) == sorted(PROGRAMS)
+
+
 @needs_mkdocs
-@pytest.mark.parametrize("name", sorted(PROGRAMS))
-def test_program_runs(name, tmp_path):
-    """The program runs at its small size, in a process of its own as a reader runs
-    it (JAX's default 32-bit types, fresh caches), and returns what its page says."""
-    out = tmp_path / "result.json"
-    code = (
-        "import importlib.util, json, sys\n"
-        f"spec = importlib.util.spec_from_file_location('prog', {str(ROOT / PROGRAMS[name])!r})\n"
-        "m = importlib.util.module_from_spec(spec); sys.modules['prog'] = m\n"
-        "spec.loader.exec_module(m)\n"
-        f"json.dump(m.main(size='small'), open({str(out)!r}, 'w'), default=str)\n"
-    )
+@pytest.mark.parametrize("names", PROGRAM_GROUPS, ids="+".join)
+def test_program_runs(names, tmp_path):
+    """Each program runs at its small size, in a process without this one's state
+    (JAX's default 32-bit types, fresh caches), and returns what its page says.
+    A failure names the program, and the others are still run and checked."""
+    paths = {name: str(ROOT / PROGRAMS[name]) for name in names}
     env = dict(
         os.environ,
         PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
     )
     proc = subprocess.run(
-        [sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True
+        [sys.executable, "-c", _RUNNER, str(tmp_path), json.dumps(paths)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
     )
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    globals()[f"_check_{name}"](json.loads(out.read_text()))
+    failures = {}
+    for name in names:
+        result, error = tmp_path / f"{name}.json", tmp_path / f"{name}.error"
+        if error.exists():
+            failures[name] = error.read_text()
+        elif not result.exists():  # the process died in or before this program
+            failures[name] = f"no result (exit {proc.returncode}):\n{proc.stderr}"
+        else:
+            try:
+                globals()[f"_check_{name}"](json.loads(result.read_text()))
+            except AssertionError as e:
+                failures[name] = f"{type(e).__name__}: {e}"
+    assert not failures, "\n\n".join(f"{n}: {m}" for n, m in failures.items())
 
 
 def _tutorial(name: str):
@@ -213,23 +255,40 @@ def _buffers(tree) -> int:
 def test_tutorials_train_no_buffer():
     """What each tutorial gives optax (its model's inexact arrays) holds no
     `ShiftBuffer`, and the buffers it uses are ShiftBuffers (so the check is not
-    vacuous): in the state (tutorial 2), made by the loss (3), an argument (4)."""
+    vacuous): in the state (tutorial 2), made by the loss (3), an argument (4).
+
+    Only the pytrees' structure matters: the models are built (and the gradient
+    taken) under `eqx.filter_eval_shape`, traced and never compiled or run."""
     conv = _tutorial("streaming_conv")
-    model, state = eqx.nn.make_with_state(conv.TCN)(3, 2, 4, key=jax.random.key(0))
-    assert _buffers(eqx.filter(model, eqx.is_inexact_array)) == 0
+
+    def tcn():
+        model, state = eqx.nn.make_with_state(conv.TCN)(3, 2, 4, key=jax.random.key(0))
+        x = jax.numpy.ones((5, 2))
+        grads = eqx.filter_grad(conv.loss)(model, state, x, x)
+        return eqx.filter(model, eqx.is_inexact_array), state, grads
+
+    trained, state, grads = eqx.filter_eval_shape(tcn)
+    assert _buffers(trained) == 0
     assert _buffers(state) == 2
-    grads = eqx.filter_grad(conv.loss)(model, state, jax.numpy.ones((5, 2)),
-                                       jax.numpy.ones((5, 2)))  # fmt: skip
     assert _buffers(grads) == 0
 
     kv = _tutorial("kv_cache")
-    model = kv.Decoder(4, 6, 8, key=jax.random.key(0))
-    assert _buffers(eqx.filter(model, eqx.is_inexact_array)) == 0
-    assert _buffers(model.empty_cache(2)) == 1
+
+    def decoder():
+        model = kv.Decoder(4, 6, 8, key=jax.random.key(0))
+        return eqx.filter(model, eqx.is_inexact_array), model.empty_cache(2)
+
+    trained, cache = eqx.filter_eval_shape(decoder)
+    assert _buffers(trained) == 0
+    assert _buffers(cache) == 1
 
     rnn = _tutorial("stack_rnn")
-    model = rnn.StackRNN(4, 8, key=jax.random.key(0))
-    assert _buffers(eqx.filter(model, eqx.is_inexact_array)) == 0
+
+    def stack_rnn():
+        model = rnn.StackRNN(4, 8, key=jax.random.key(0))
+        return eqx.filter(model, eqx.is_inexact_array)
+
+    assert _buffers(eqx.filter_eval_shape(stack_rnn)) == 0
     assert _buffers(rnn.PointerStack.empty(3, 8)) == 1
     assert _buffers(rnn.ShiftStack.empty(3, 8)) == 1
 

@@ -14,6 +14,8 @@ rewrite a whole line, so each test touches each line once.
 
 from __future__ import annotations
 
+import functools
+
 import equinox.internal as eqxi
 import jax
 import jax.numpy as jnp
@@ -109,13 +111,30 @@ def test_lax_dynamic_slice_cannot_read_an_equinox_buffer():
         scan(body, init, jnp.arange(STEPS), equinox=True)
 
 
+@functools.cache
+def _lax_scan_run(block):
+    """The plain-array `lax.scan` reference, computed once per block."""
+    return window_run(jnp.float32(0.7), block, equinox=False)
+
+
 @pytest.mark.parametrize("checkpoints", CHECKPOINTS)
 @pytest.mark.parametrize("block", BLOCKS)
 def test_dynamic_slice_and_update_in_eqxi_scan_match_lax_scan(block, checkpoints):
     p = jnp.float32(0.7)
-    expected = window_run(p, block, equinox=False)
     actual = window_run(p, block, equinox=True, checkpoints=checkpoints)
-    assert_trees_close(actual, expected)
+    assert_trees_close(actual, _lax_scan_run(block))
+
+
+def _grad(block, **kwargs):
+    """`window_loss`'s derivative at 0.7, jitted (one program per configuration)."""
+    return jax.jit(jax.grad(lambda p: window_loss(p, block, **kwargs)))(
+        jnp.float32(0.7)
+    )
+
+
+@functools.cache
+def _lax_scan_grad(block):
+    return _grad(block, equinox=False)
 
 
 @pytest.mark.parametrize("checkpoints", CHECKPOINTS)
@@ -123,10 +142,8 @@ def test_dynamic_slice_and_update_in_eqxi_scan_match_lax_scan(block, checkpoints
 def test_dynamic_slice_and_update_in_eqxi_scan_have_lax_scan_gradients(
     block, checkpoints
 ):
-    p = jnp.float32(0.7)
-    expected = jax.grad(window_loss)(p, block, equinox=False)
-    actual = jax.grad(window_loss)(p, block, equinox=True, checkpoints=checkpoints)
-    np.testing.assert_allclose(actual, expected, rtol=1e-5)
+    actual = _grad(block, equinox=True, checkpoints=checkpoints)
+    np.testing.assert_allclose(actual, _lax_scan_grad(block), rtol=1e-5)
 
 
 # ---------------------------------------------------------------------------

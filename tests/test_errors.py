@@ -7,6 +7,7 @@ called; traced indices are checked when the compiled program runs, through
 
 from __future__ import annotations
 
+import functools
 import gc
 import os
 import re
@@ -136,6 +137,14 @@ def test_shift_buffer_methods_check_indices_like_the_free_functions():
 # Index out of range, known only when the compiled program runs.
 
 
+@functools.cache
+def _jitted_op(op_name):
+    """`OPS[op_name]` jitted with a traced index: one program per operation,
+    compiled once for every bad entry (the entries are run-time values)."""
+    op = OPS[op_name][0]
+    return jax.jit(lambda x, i: op(x, i))
+
+
 @requires_raise
 @pytest.mark.parametrize("op_name", list(OPS))
 @pytest.mark.parametrize("pos, value", BAD_ENTRIES)
@@ -144,7 +153,7 @@ def test_traced_index_out_of_range_raises_when_the_jitted_function_runs(
 ):
     op, argname, bounds = OPS[op_name]
     idx, value = bad_index(op_name, pos, value)
-    run = jax.jit(lambda x, i: op(x, i))
+    run = _jitted_op(op_name)
     message = (
         f"`{argname}`[{pos}] is out of range: valid values are 0 to {bounds[pos]}."
     )
@@ -245,6 +254,13 @@ def edit_message(op_name: str, pos: int) -> str:
     )
 
 
+@functools.cache
+def _jitted_edit_then_read(op_name, read):
+    """An edit at a traced index, then a read: compiled once for every bad entry."""
+    op = OPS[op_name][0]
+    return jax.jit(lambda x, i: READS[read](op(esb.ShiftBuffer.from_array(x), i)))
+
+
 @requires_raise
 @pytest.mark.parametrize("read", list(READS))
 @pytest.mark.parametrize("op_name", EDITS)
@@ -252,9 +268,8 @@ def edit_message(op_name: str, pos: int) -> str:
 def test_shift_buffer_edit_out_of_range_raises_at_the_next_read(
     op_name, pos, value, read
 ):
-    op, _, _ = OPS[op_name]
     idx, _ = bad_index(op_name, pos, value)
-    run = jax.jit(lambda x, i: READS[read](op(esb.ShiftBuffer.from_array(x), i)))
+    run = _jitted_edit_then_read(op_name, read)
     with pytest.raises(RUNTIME_ERRORS, match=re.escape(edit_message(op_name, pos))):
         jax.block_until_ready(run(buffer(), idx))
 

@@ -127,24 +127,30 @@ def test_array_returns_every_value_bit_for_bit(dtype):
     assert_same_bits(got, a)
 
 
+batched_read_row = jax.jit(jax.vmap(read_row, in_axes=(None, 0)))
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_batched_reads_return_every_value_bit_for_bit(dtype):
     # Under vmap, reads run in a loop of `lax.dynamic_slice`s rather than reduce.
     for row in ROWS:  # one compile per dtype, every row position
         a = rows_of(dtype)
-        read = jax.jit(jax.vmap(read_row, in_axes=(None, 0)))
-        got = read(jnp.asarray(a), jnp.asarray([row, 2 - row], jnp.int32))
+        got = batched_read_row(jnp.asarray(a), jnp.asarray([row, 2 - row], jnp.int32))
         n = a.shape[1]
         want = np.stack([lax_read(a, (r, 0), (1, n)) for r in (row, 2 - row)])
         assert_same_bits(got, want)
+
+
+batched_pops = jax.jit(jax.vmap(lambda x, r, c: pop(x, r, c)[1], in_axes=(None, 0, 0)))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_batched_pops_return_every_value_bit_for_bit(dtype):
     for row in ROWS:  # one compile per dtype, every row position
         a = lines_of(dtype)
-        pops = jax.jit(jax.vmap(lambda x, r, c: pop(x, r, c)[1], in_axes=(None, 0, 0)))
-        got = pops(jnp.asarray(a), jnp.asarray([row, 2 - row]), jnp.asarray([0, 1]))
+        got = batched_pops(
+            jnp.asarray(a), jnp.asarray([row, 2 - row]), jnp.asarray([0, 1])
+        )
         n = a.shape[2]
         want = [
             lax_read(a, (row, 0, 0), (1, 1, n)),

@@ -7,6 +7,8 @@ are jit arguments: closed-over constants would let XLA fold the loops away.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -92,13 +94,21 @@ def _inputs():
     return p, init, xs
 
 
+@functools.cache
+def _jitted(name, mode):
+    """One jitted program per step and mode, so that the tests that compile it (in
+    the same `jax_enable_x64` mode) share the compile."""
+    return jax.jit(corpus.program(mode, _loss(STEPS_BY_NAME[name])))
+
+
 @pytest.mark.parametrize("x64", [False, True], ids=["x32", "x64"])
 @pytest.mark.parametrize("mode", ["forward", "grad", "jvp"])
 @pytest.mark.parametrize("name", list(STEPS_BY_NAME))
 def test_no_per_iteration_copies(name, mode, x64):
     with jax.enable_x64(x64):
-        fn = corpus.program(mode, _loss(STEPS_BY_NAME[name]))
-        copies = esb.find_loop_copies(fn, *_inputs(), min_bytes=MIN_BYTES)
+        copies = esb.find_loop_copies(
+            _jitted(name, mode), *_inputs(), min_bytes=MIN_BYTES
+        )
     assert copies == [], "\n".join(map(str, copies))
 
 
@@ -120,8 +130,9 @@ def test_reads_need_no_inner_loop(name, mode):
     # widened so that XLA does not fuse them into the next read: the compiled scan
     # has no `while` loop inside its loop bodies, only the scans themselves, even
     # for a read right after a write.
-    fn = corpus.program(mode, _loss(STEPS_BY_NAME[name]))
-    hlo = jax.jit(fn).lower(*_inputs()).compile().as_text()
+    # The program test_no_per_iteration_copies[...-x64] compiles (the suite runs
+    # with jax_enable_x64).
+    hlo = _jitted(name, mode).lower(*_inputs()).compile().as_text()
     comps = _inspect._parse(hlo)
     bodies = {
         b for text in comps.values() for b in _inspect._BODY.findall(" ".join(text))

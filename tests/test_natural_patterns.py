@@ -1,15 +1,36 @@
 """The patterns users write without thinking about XLA (`tests/natural.py`): in
 place, and equal to the same step in plain `lax`.
 
-Each `(row, mode)` below compiles a 100-step scan, so the list is the headline cases
-only; `python benchmarks/patterns.py` counts every row under every mode.
+Each `(row, mode)` below compiles a scan, so the list is the headline cases only;
+`python benchmarks/patterns.py` counts every row under every mode. A program that
+both tests use (a row's forward or gradient) is compiled once, for its copies and
+its values.
 """
+
+import functools
 
 import jax
 import numpy as np
 import pytest
 
-from . import natural
+import eqx_shiftbuf as esb
+
+from . import natural, reference
+
+
+# Steps of every scan: enough for XLA to keep the loop (a copy is per iteration,
+# whatever the length).
+STEPS = 12
+
+
+@functools.cache
+def _program(row, mode, ops):
+    """`(jitted program, its arguments)`: one jitted object per row, mode and
+    implementation, shared by the tests that compile it."""
+    r = natural.ROWS_BY_NAME[row]
+    fn = natural.program(mode, natural.make_loss(r, ops), r.batch_init)
+    jit = reference.jit_reference if ops is natural.PLAIN else jax.jit
+    return jit(fn), natural.args_for(r, mode, STEPS)
 
 
 # (row, mode) pairs with 0 per-step copies. Rows that copy as plain `lax` does (a
@@ -55,7 +76,9 @@ IN_PLACE = [
 
 @pytest.mark.parametrize("row, mode", IN_PLACE, ids=[f"{r}-{m}" for r, m in IN_PLACE])
 def test_no_per_iteration_copies(row, mode):
-    copies = natural.copies(natural.ROWS_BY_NAME[row], natural.ESB, mode, steps=100)
+    fn, args = _program(row, mode, natural.ESB)
+    min_bytes = natural.min_bytes(natural.ROWS_BY_NAME[row])
+    copies = esb.find_loop_copies(fn, *args, min_bytes=min_bytes)
     assert copies == [], "\n".join(map(str, copies))
 
 
@@ -78,12 +101,9 @@ def test_no_per_iteration_copies(row, mode):
     ],
 )
 def test_values_and_gradients_match_plain_lax(row):
-    r = natural.ROWS_BY_NAME[row]
-    args = natural.args_for(r, "grad", steps=12)
     for mode in ("fwd", "grad"):
-        got = jax.jit(natural.program(mode, natural.make_loss(r, natural.ESB)))(*args)
-        want = jax.jit(natural.program(mode, natural.make_loss(r, natural.PLAIN)))(
-            *args
-        )
+        fn, args = _program(row, mode, natural.ESB)
+        ref, ref_args = _program(row, mode, natural.PLAIN)
+        got, want = fn(*args), ref(*ref_args)
         for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
             np.testing.assert_allclose(g, w, rtol=2e-5, atol=1e-5)

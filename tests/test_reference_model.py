@@ -16,7 +16,9 @@ from . import reference as ref
 from .special import SPECIAL, special_array, WHERE
 
 
-EXAMPLES = 200
+# Per property test. The draws cover every layout, dtype, kind and position many
+# times over at this count; more examples re-run the same code paths.
+EXAMPLES = 100
 
 # (shape, axis): a flat line, rows of scalars, rows shifted as a whole, a stack of
 # feature vectors, and a 3-D buffer shifted along its last axis.
@@ -168,18 +170,24 @@ def test_fill_value_is_shifted_in():
     )
 
 
+# Jitted once, at module level: one compile per dtype, shared by the cases below.
+@jax.jit
+def _jitted_pop(x, r, c):
+    return esb.ShiftBuffer.from_array(x).pop((r, c))
+
+
+@jax.jit
+def _jitted_read(x, r, c):
+    return esb.ShiftBuffer.from_array(x).dynamic_slice((r, c), (1, 2))
+
+
 @pytest.mark.parametrize("where", WHERE)
 @pytest.mark.parametrize("dtype, value", SPECIAL)
 @pytest.mark.parametrize("others", ["same", "nan"], ids=["others-same", "others-nan"])
 def test_pop_returns_any_value_bit_for_bit(dtype, value, others, where):
     # Jitted and traced: the run-time path.
     a = special_array(dtype, value, others, where)
-
-    @jax.jit
-    def pop(x, r, c):
-        return esb.ShiftBuffer.from_array(x).pop((r, c))
-
-    buf, got = pop(jnp.asarray(a), *map(jnp.int32, where))
+    buf, got = _jitted_pop(jnp.asarray(a), *map(jnp.int32, where))
     expected, want = ref.pop(a, where, 1)
     got, want = np.asarray(got), np.asarray(want)
     assert got.dtype == want.dtype
@@ -194,12 +202,7 @@ def test_dynamic_slice_returns_any_value_bit_for_bit(dtype, value, others, where
     # A window read is a masked `max` over the window and a neighbouring row.
     r, c = where
     a = special_array(dtype, value, others, (r, slice(c - 1, c + 1)))
-
-    @jax.jit
-    def read(x, r, c):
-        return esb.ShiftBuffer.from_array(x).dynamic_slice((r, c), (1, 2))
-
-    got = np.asarray(read(jnp.asarray(a), jnp.int32(r), jnp.int32(c - 1)))
+    got = np.asarray(_jitted_read(jnp.asarray(a), jnp.int32(r), jnp.int32(c - 1)))
     want = a[r : r + 1, c - 1 : c + 1]
     assert got.dtype == want.dtype
     assert got.tobytes() == want.tobytes(), (got, want)

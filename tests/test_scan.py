@@ -173,10 +173,12 @@ SCANS = {
 }
 
 
+def _lax_reverse(f, c, x):
+    return lax.scan(f, c, x, reverse=True)
+
+
 def _reference(name):
-    if name == "ckpt-reverse-unroll":
-        return lambda f, c, x: lax.scan(f, c, x, reverse=True)
-    return lax.scan
+    return _lax_reverse if name == "ckpt-reverse-unroll" else lax.scan
 
 
 def _close(a, b):
@@ -184,27 +186,40 @@ def _close(a, b):
         np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=RTOL, atol=1e-12)
 
 
+# Each program is jitted, and each lax.scan reference computed once (cached by
+# the scan function) for the tests and cases that share it.
+
+
+@functools.cache
+def _value_and_grad(scan, length):
+    """The loss and its gradient (the float leaves) of `_problem(length)`."""
+    loss, w, init, xs = _problem(length)
+    grad = jax.value_and_grad(
+        lambda w, init, xs: loss(w, init, xs, scan), argnums=(0, 1, 2), allow_int=True
+    )
+    value, (gw, ginit, gxs) = jax.jit(grad)(w, init, xs)
+    return value, gw, ginit["v"], gxs[0]
+
+
 @pytest.mark.parametrize("name", SCANS)
 @pytest.mark.parametrize("length", [1, 2, 13])
 def test_values_and_gradients_equal_lax_scan(name, length):
-    loss, w, init, xs = _problem(length)
-    ref = _reference(name)
-    _close(loss(w, init, xs, SCANS[name]), loss(w, init, xs, ref))
-    grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2), allow_int=True), static_argnums=3)
-    got, want = grad(w, init, xs, SCANS[name]), grad(w, init, xs, ref)
-    _close(got[0], want[0])
-    _close(got[1]["v"], want[1]["v"])
-    _close(got[2][0], want[2][0])
+    _close(
+        _value_and_grad(SCANS[name], length),
+        _value_and_grad(_reference(name), length),
+    )
+
+
+@functools.cache
+def _jvp(scan):
+    loss, w, init, xs = _problem(9)
+    f = lambda w, tw, init, xs: jax.jvp(lambda w: loss(w, init, xs, scan), (w,), (tw,))
+    return jax.jit(f)(w, jnp.ones_like(w), init, xs)
 
 
 @pytest.mark.parametrize("name", SCANS)
 def test_jvp_equals_lax_scan(name):
-    loss, w, init, xs = _problem(9)
-    ref = _reference(name)
-    tw = jnp.ones_like(w)
-    got = jax.jvp(lambda w: loss(w, init, xs, SCANS[name]), (w,), (tw,))
-    want = jax.jvp(lambda w: loss(w, init, xs, ref), (w,), (tw,))
-    _close(got, want)
+    _close(_jvp(SCANS[name]), _jvp(_reference(name)))
 
 
 @pytest.mark.parametrize("name", ["ckpt-3", "ckpt-reverse-unroll"])
@@ -212,18 +227,25 @@ def test_vmap_of_grad_and_grad_of_vmap_and_jacrev(name):
     loss, w, init, xs = _problem(8)
     ref = _reference(name)
     ws = jnp.stack([w, 2 * w, -w])
-    vg = lambda s: jax.vmap(lambda w: jax.grad(loss)(w, init, xs, s))(ws)
-    gv = lambda s: jax.grad(
-        lambda ws: jax.vmap(lambda w: loss(w, init, xs, s))(ws).sum()
-    )(ws)
 
-    def final(w, s):
+    def vg(s, ws, init, xs):
+        return jax.vmap(lambda w: jax.grad(loss)(w, init, xs, s))(ws)
+
+    def gv(s, ws, init, xs):
+        return jax.grad(lambda ws: jax.vmap(lambda w: loss(w, init, xs, s))(ws).sum())(
+            ws
+        )
+
+    def final(w, s, init, xs):
         carry, ys = s(lambda c, x: (jnp.tanh(w @ c + x[0]), c), init["v"], xs)
         return carry, ys
 
-    jr = lambda s: jax.jacrev(final)(w, s)
-    for transform in (vg, gv, jr):
-        _close(transform(SCANS[name]), transform(ref))
+    def jr(s, w, init, xs):
+        return jax.jacrev(final)(w, s, init, xs)
+
+    for transform, a in ((vg, ws), (gv, ws), (jr, w)):
+        run = jax.jit(transform, static_argnums=0)
+        _close(run(SCANS[name], a, init, xs), run(ref, a, init, xs))
 
 
 def test_vmap_over_xs_only_and_over_the_carry_only():
@@ -234,9 +256,13 @@ def test_vmap_over_xs_only_and_over_the_carry_only():
         ((None, None, (0, None)), (w, init, xss)),
         ((None, {"v": 0, "n": None}, None), (w, inits, xs)),
     ]:
-        got = jax.vmap(jax.grad(lambda *a: loss(*a, SCANS["ckpt-3"])), in_axes)(*args)
-        want = jax.vmap(jax.grad(lambda *a: loss(*a, lax.scan)), in_axes)(*args)
-        _close(got, want)
+        run = jax.jit(
+            lambda s, *a, in_axes=in_axes: jax.vmap(
+                jax.grad(lambda *a: loss(*a, s)), in_axes
+            )(*a),
+            static_argnums=0,
+        )
+        _close(run(SCANS["ckpt-3"], *args), run(lax.scan, *args))
 
 
 def test_length_zero_and_xs_none():
@@ -353,25 +379,33 @@ def _buffer_args(length=40, shape=(6, 9)):
     )
 
 
+@functools.cache
+def _buffer_value_and_grad(scan, read):
+    loss = jax.value_and_grad(_buffer_loss(scan, read), argnums=(0, 1, 2))
+    return jax.jit(loss)(*_buffer_args())
+
+
 @pytest.mark.parametrize("read", [False, True])
 @pytest.mark.parametrize("name", ["lax", "ckpt-3", "ckpt-default", "ckpt-all"])
 def test_shift_buffer_carry_gradients_equal_plain_autodiff(name, read):
-    args = _buffer_args()
-    got = jax.jit(
-        jax.value_and_grad(_buffer_loss(SCANS[name], read), argnums=(0, 1, 2))
-    )(*args)
-    want = jax.jit(jax.value_and_grad(_buffer_loss(lax.scan, read), argnums=(0, 1, 2)))(
-        *args
+    _close(
+        _buffer_value_and_grad(SCANS[name], read),
+        _buffer_value_and_grad(lax.scan, read),
     )
-    _close(got, want)
+
+
+@functools.cache
+def _buffer_grad(name, read):
+    """The jitted gradient of a 41-step scan over a (64, 32) ShiftBuffer: one
+    object, so that the tests that compile it share the compile."""
+    return jax.jit(jax.grad(_buffer_loss(SCANS[name], read), argnums=(0, 1)))
 
 
 @pytest.mark.parametrize("read", [False, True])
 @pytest.mark.parametrize("name", ["ckpt-3", "ckpt-default", "ckpt-all"])
 def test_shift_buffer_carry_has_no_copies_in_the_gradient(name, read):
     args = _buffer_args(length=41, shape=(64, 32))
-    grad = jax.jit(jax.grad(_buffer_loss(SCANS[name], read), argnums=(0, 1)))
-    assert esb.find_loop_copies(grad, *args) == []
+    assert esb.find_loop_copies(_buffer_grad(name, read), *args) == []
 
 
 @pytest.mark.parametrize("name", ["ckpt-default", "ckpt-all"])
@@ -382,8 +416,7 @@ def test_a_buffer_the_reverse_pass_does_not_read_is_not_stored(name):
     # buffer store stayed alive (with checkpoints="all", every step stored it).
     length, shape = 41, (64, 32)
     args = _buffer_args(length=length, shape=shape)
-    grad = jax.jit(jax.grad(_buffer_loss(SCANS[name], False), argnums=(0, 1)))
-    hlo = grad.lower(*args).compile().as_text()
+    hlo = _buffer_grad(name, False).lower(*args).compile().as_text()
     assert re.search(rf"f64\[\d+,{shape[0]},{shape[1]}\]", hlo) is None
 
 
@@ -449,8 +482,8 @@ def test_second_derivatives_equal_lax_scan(outer, inner):
         )
         return (c**2).sum() + ys.sum()
 
-    got = outer(inner(loss))(0.3, SCANS["ckpt-3"])
-    _close(got, outer(inner(loss))(0.3, lax.scan))
+    run = jax.jit(outer(inner(loss)), static_argnums=1)
+    _close(run(0.3, SCANS["ckpt-3"]), run(0.3, lax.scan))
 
 
 def test_python_scalar_init_takes_the_body_dtype_as_in_lax_scan():

@@ -3,6 +3,7 @@ buffer cases that fail or copy there passing under `esb.scan`."""
 
 from __future__ import annotations
 
+import functools
 import re
 
 import equinox as eqx
@@ -71,26 +72,33 @@ EQXI = {
 }
 
 
+@functools.cache
+def _grad(scan):
+    """The value and gradient of `_loss(scan)` at `_args()`, jitted; computed once
+    per scan (`ESB`, `EQXI`, `lax.scan`) for the tests that share it."""
+    return jax.jit(jax.value_and_grad(_loss(scan), argnums=(0, 1, 2)))(*_args())
+
+
+def _plain_autodiff():
+    """The reference: lax.scan on the raw array (`buf[i]`, `buf.at[i].set` on jnp)."""
+    return _grad(lax.scan)
+
+
 @pytest.mark.parametrize("name", ESB)
 def test_values_and_gradients_equal_plain_autodiff(name):
-    # The reference: lax.scan on the raw array (`buf[i]`, `buf.at[i].set` on jnp).
-    args = _args()
-    grad = lambda scan: jax.value_and_grad(_loss(scan), argnums=(0, 1, 2))(*args)
-    _close(grad(ESB[name]), grad(lax.scan))
+    _close(_grad(ESB[name]), _plain_autodiff())
 
 
 @pytest.mark.parametrize("name", EQXI)
 def test_same_values_and_gradients_as_equinox_except_its_initial_buffer_gradient(name):
-    args = _args()
-    grad = lambda scan: jax.value_and_grad(_loss(scan), argnums=(0, 1, 2))(*args)
     (v_e, (gw_e, gb_e, gx_e)), (v_q, (gw_q, gb_q, gx_q)) = (
-        grad(ESB[name]),
-        grad(EQXI[name]),
+        _grad(ESB[name]),
+        _grad(EQXI[name]),
     )
     _close((v_e, gw_e, gx_e), (v_q, gw_q, gx_q))
     # Equinox passes the final-buffer cotangent through every write: its gradient
     # for the initial contents is wrong at written rows, ours is zero there.
-    _, (_, gb_ref, _) = grad(lax.scan)
+    _, (_, gb_ref, _) = _plain_autodiff()
     _close(gb_e, gb_ref)
     np.testing.assert_array_equal(np.asarray(gb_e[:L]), 0.0)
     assert not np.allclose(np.asarray(gb_q[:L]), 0.0)
@@ -156,10 +164,9 @@ def test_checked_mode_allows_reading_positions_never_written():
 
 def test_checked_mode_is_off_while_steps_are_rerun():
     # The reverse pass reruns steps against the final (fully written) buffer; the
-    # checks must not fire there.
-    args = _args()
-    grad = jax.grad(_loss(ESB["ckpt-3-checked"]), argnums=(0, 1))
-    _close(grad(*args), jax.grad(_loss(lax.scan), argnums=(0, 1))(*args))
+    # checks must not fire there. (Differentiated with respect to `buf0` too: a
+    # check that fired would raise.)
+    _close(_grad(ESB["ckpt-3-checked"]), _plain_autodiff())
 
 
 # Read-before-write wherever the read happens. Step i reads row i + 1 through
@@ -321,33 +328,38 @@ def test_checked_mode_keeps_the_buffer_and_its_record_in_place():
         assert esb.find_loop_copies(f, *args) == []
 
 
+def _reads_in_cond_loss(scan, w, buf0):
+    """Step i writes row i, then reads inside `cond` row i (written earlier in this
+    step), row i - 1 (an earlier step) and the last row (never written)."""
+
+    def body(carry, i):
+        v, buf = carry
+        last = buf.shape[0] - 1
+        buf = buf.at[i].set(jnp.sin(w * v))
+        v = lax.cond(
+            i % 2 == 0,
+            lambda: buf[i] + buf[jnp.maximum(i - 1, 0)] * buf[last],
+            lambda: 2.0 * buf[i] - buf[last],
+        )
+        return (v, buf), v.sum()
+
+    (v, buf), ys = scan(body, (jnp.ones(3), buf0), jnp.arange(5))
+    return (buf**2).sum() + ys.sum() + v.sum()
+
+
+@functools.cache
+def _reads_in_cond_grad(scan):
+    loss = lambda w, b: _reads_in_cond_loss(scan, w, b)
+    buf0 = jnp.asarray(np.random.default_rng(1).normal(size=(6, 3)))
+    return jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))(0.4, buf0)
+
+
 @pytest.mark.parametrize("kind", ["lax", "checkpointed"])
 def test_checked_mode_allows_reads_inside_cond_of_written_or_never_written_rows(kind):
-    # Step i writes row i, then reads inside `cond` row i (written earlier in this
-    # step), row i - 1 (an earlier step) and the last row (never written).
-    def loss(scan, w, buf0):
-        def body(carry, i):
-            v, buf = carry
-            last = buf.shape[0] - 1
-            buf = buf.at[i].set(jnp.sin(w * v))
-            v = lax.cond(
-                i % 2 == 0,
-                lambda: buf[i] + buf[jnp.maximum(i - 1, 0)] * buf[last],
-                lambda: 2.0 * buf[i] - buf[last],
-            )
-            return (v, buf), v.sum()
-
-        (v, buf), ys = scan(body, (jnp.ones(3), buf0), jnp.arange(5))
-        return (buf**2).sum() + ys.sum() + v.sum()
-
     ours = lambda f, c, x: esb.scan(
         f, c, x, kind=kind, checkpoints=2, buffers=lambda c: c[1], check=True
     )
-    buf0 = jnp.asarray(np.random.default_rng(1).normal(size=(6, 3)))
-    grad = lambda scan: jax.jit(
-        jax.value_and_grad(lambda w, b: loss(scan, w, b), argnums=(0, 1))
-    )(0.4, buf0)
-    _close(grad(ours), grad(lax.scan))
+    _close(_reads_in_cond_grad(ours), _reads_in_cond_grad(lax.scan))
 
 
 @pytest.mark.parametrize("kind", ["lax", "checkpointed"])
@@ -437,12 +449,18 @@ def test_forward_mode_with_buffers():
 def test_vmap_of_grad_and_grad_of_vmap_with_buffers():
     _, buf0, xs = _args()
     ws = jnp.array([0.1, 0.5, 0.9])
-    vg = lambda s: jax.vmap(lambda w: jax.grad(_loss(s))(w, buf0, xs))(ws)
-    gv = lambda s: jax.grad(
-        lambda ws: jax.vmap(lambda w: _loss(s)(w, buf0, xs))(ws).sum()
-    )(ws)
+
+    def vg(s, ws, buf0, xs):
+        return jax.vmap(lambda w: jax.grad(_loss(s))(w, buf0, xs))(ws)
+
+    def gv(s, ws, buf0, xs):
+        return jax.grad(lambda ws: jax.vmap(lambda w: _loss(s)(w, buf0, xs))(ws).sum())(
+            ws
+        )
+
     for t in (vg, gv):
-        _close(t(ESB["ckpt-3"]), t(lax.scan))
+        run = jax.jit(t, static_argnums=0)
+        _close(run(ESB["ckpt-3"], ws, buf0, xs), run(lax.scan, ws, buf0, xs))
 
 
 def test_nested_scan_writes_into_an_outer_buffer():
@@ -571,7 +589,9 @@ def test_reverse_pass_reads_cost_a_window_not_the_buffer():
     assert _loop_buffer_work(jax.grad(loss(theirs)), args, shape)
 
 
-@pytest.mark.parametrize("checkpoints", [1, 3, 8, "all"])
+# A schedule that reruns steps, and one that stores every step (the schedules
+# themselves, and more checkpoint counts against lax.scan: tests/test_scan.py).
+@pytest.mark.parametrize("checkpoints", [3, "all"])
 def test_an_mlp_body_without_buffers_matches_equinox(checkpoints):
     mlp = eqx.nn.MLP(3, 3, 8, 2, key=jax.random.key(0))
 
@@ -587,7 +607,9 @@ def test_an_mlp_body_without_buffers_matches_equinox(checkpoints):
         f, c, x, kind="checkpointed", checkpoints=checkpoints
     )
     args = (mlp, jnp.ones(3), jnp.linspace(0.0, 1.0, 10)[:, None] * jnp.ones(3))
-    grad = lambda s: eqx.filter_value_and_grad(lambda m, c, x: loss(s, m, c, x))(*args)
+    grad = lambda s: eqx.filter_jit(
+        eqx.filter_value_and_grad(lambda m, c, x: loss(s, m, c, x))
+    )(*args)
     _close(grad(ours), grad(theirs))
 
 
@@ -618,40 +640,43 @@ def test_vmap_with_each_batch_element_writing_its_own_rows():
     assert esb.find_loop_copies(grad, 0.3, jnp.ones((2, 4096, 2)), rows) == []
 
 
+N_OUTER, N_INNER = 4, 3
+
+
+def _inner_writes_loss(scan, w, y0):
+    """diffrax's pattern: an inner loop steps the state and writes every inner step
+    into a buffer owned by the outer loop."""
+
+    def outer(carry, k):
+        y, saved = carry
+
+        def inner(c, j):
+            y, saved = c
+            y = y + 0.1 * jnp.sin(w * y + k)
+            return (y, saved.at[k * N_INNER + j].set(y)), None
+
+        (y, saved), _ = scan(inner, (y, saved), jnp.arange(N_INNER))
+        return (y, saved), y.sum()
+
+    (y, saved), ys = scan(
+        outer, (y0, jnp.zeros((N_OUTER * N_INNER, 2))), jnp.arange(N_OUTER)
+    )
+    return (saved**2).sum() + ys.sum() + y.sum()
+
+
+@functools.cache
+def _inner_writes_grad(scan):
+    loss = lambda w, y: _inner_writes_loss(scan, w, y)
+    return jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))(0.3, jnp.ones(2))
+
+
 @pytest.mark.parametrize("check", [False, True])
 @pytest.mark.parametrize("checkpoints", [2, "all"])
 def test_inner_scan_writes_into_the_outer_buffer(checkpoints, check):
-    # diffrax's pattern: an inner loop steps the state and writes every inner step
-    # into a buffer owned by the outer loop.
-    n_outer, n_inner = 4, 3
-
-    def loss(scan, w, y0):
-        def outer(carry, k):
-            y, saved = carry
-
-            def inner(c, j):
-                y, saved = c
-                y = y + 0.1 * jnp.sin(w * y + k)
-                return (y, saved.at[k * n_inner + j].set(y)), None
-
-            (y, saved), _ = scan(inner, (y, saved), jnp.arange(n_inner))
-            return (y, saved), y.sum()
-
-        (y, saved), ys = scan(
-            outer, (y0, jnp.zeros((n_outer * n_inner, 2))), jnp.arange(n_outer)
-        )
-        return (saved**2).sum() + ys.sum() + y.sum()
-
     ours = lambda f, c, x: esb.scan(
         f, c, x, checkpoints=checkpoints, buffers=lambda c: c[1], check=check
     )
-    got = jax.value_and_grad(lambda w, y: loss(ours, w, y), argnums=(0, 1))(
-        0.3, jnp.ones(2)
-    )
-    want = jax.value_and_grad(lambda w, y: loss(lax.scan, w, y), argnums=(0, 1))(
-        0.3, jnp.ones(2)
-    )
-    _close(got, want)
+    _close(_inner_writes_grad(ours), _inner_writes_grad(lax.scan))
 
 
 def test_a_shift_buffer_is_not_a_write_once_buffer():
