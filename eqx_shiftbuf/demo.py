@@ -166,6 +166,6 @@ def main(size: str = "full") -> dict:
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    parser = argparse.ArgumentParser(description=(__doc__ or "demo").splitlines()[0])
     parser.add_argument("--size", choices=sorted(SIZES), default="full")
     main(parser.parse_args().size)
