@@ -529,12 +529,12 @@ def is_ring(shape: tuple[int, ...], axis: int) -> bool:
     )
 
 
-def _ring_head(b: Leaves) -> jax.Array | None:
-    """The head of `b`'s ring as int32, or None where there is no ring or its head
-    is known at trace time to be 0 (a NumPy zero: no edit moved it)."""
-    if b.ring is None:
+def _ring_head(ring: Ring | None) -> jax.Array | None:
+    """The head of `ring` as int32, or None where there is no ring or its head is
+    known at trace time to be 0 (a NumPy zero: no edit moved it)."""
+    if ring is None:
         return None
-    head = b.ring.head
+    head = ring.head
     if isinstance(head, np.ndarray) and not head.any():
         return None
     return jnp.asarray(head).astype(jnp.int32)
@@ -562,8 +562,7 @@ def _moved(b: Leaves, storage: Any, error: Any, token: Any, head: Any) -> Leaves
 def logical(storage: jax.Array, ring: Ring | None, batch_shape=()) -> jax.Array:
     """The logical contents of `storage` (of a batch of buffers with
     `batch_shape`): the ring unrotated."""
-    b = Leaves(storage, None, P.new_token(), ring)
-    head = _ring_head(b)
+    head = _ring_head(ring)
     if head is None or ring is None:
         return storage
     return _rotate(storage, head, len(batch_shape) + ring.axis)
@@ -671,7 +670,7 @@ def read_window(
         op="dynamic_slice",
         error=b.error,
     )
-    head = _ring_head(b)
+    head = _ring_head(b.ring)
     if head is not None and math.prod(sizes) > 0:
         storage, window, tok = _ring_read(b, starts, sizes, head)
     else:
@@ -721,7 +720,7 @@ def update_window(
     upd, starts, error = checked_update(
         b.storage.shape, b.storage.dtype, update, start_indices, mode, b.error
     )
-    head = _ring_head(b)
+    head = _ring_head(b.ring)
     if head is not None and upd.size > 0:
         storage, tok = _ring_update(b, upd, starts, head)
     else:
@@ -737,20 +736,16 @@ def insert_at(b: Leaves, index: Any, value: Any, axis: int, mode: str | None) ->
     )
     vshape = shape[axis + 1 :]
     val = check_value(value, vshape, b.storage.dtype, "value", f"x.shape[{axis}+1:]")
-    if b.ring is None:
-        storage, tok = P.bind_insert(b.storage, b.token, val, idx, axis)
+    cap, head = shape[axis], _ring_head(b.ring)
+    end = None if b.ring is None else _static_end(index, axis, cap)
+    if end is None:  # the line shifts (rotated by a ring's head)
+        ring_idx = idx if head is None else idx + [head]
+        storage, tok = P.bind_insert(b.storage, b.token, val, ring_idx, axis)
         return b._replace(storage=storage, error=error, token=tok)
     # A ring: a push at the front moves the head back one and writes the value
     # there, over the element that falls off the end; one at the back overwrites
-    # the last element. Elsewhere the line shifts, rotated by the head.
-    cap, head = shape[axis], _ring_head(b)
-    end = _static_end(index, axis, cap)
-    zero = jnp.int32(0)
-    if end is None:
-        ring_idx = idx if head is None else idx + [head]
-        storage, tok = P.bind_insert(b.storage, b.token, val, ring_idx, axis)
-        return _moved(b, storage, error, tok, None)
-    h = zero if head is None else head
+    # the last element.
+    h = jnp.int32(0) if head is None else head
     new_head = _wrap(h + (cap - 1), cap)
     starts, sizes = _element_window(b, idx, new_head)
     upd = val.reshape(sizes)
@@ -778,7 +773,7 @@ def pop_at(
         defer=not read,
     )
     shape = b.storage.shape
-    cap, head = shape[axis], _ring_head(b)
+    cap, head = shape[axis], _ring_head(b.ring)
     end = None if b.ring is None else _static_end(index, axis, cap)
     if end is None:
         ring_idx = idx if head is None else idx + [head]
