@@ -445,8 +445,6 @@ ROWS += (
         scan=_checkpointed,
         batch_init=True,
     ),
-)
-ROWS += (
     dataclasses.replace(
         ROWS_BY_NAME_0["front_stack"],
         name="front_stack_b",
