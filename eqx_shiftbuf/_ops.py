@@ -26,7 +26,14 @@ from jax.core import Tracer
 from jaxtyping import ArrayLike, Int
 
 from . import _primitives as P
-from ._xla import check_on_the_side, invariant, keep_alive, varying_axes
+from ._xla import (
+    check_on_the_side,
+    from_carrier,
+    invariant,
+    keep_alive,
+    to_carrier,
+    varying_axes,
+)
 
 
 Index = Union[int, Int[ArrayLike, ""]]
@@ -589,8 +596,11 @@ def _ring_read(b: Leaves, starts: list, sizes: tuple[int, ...], head: jax.Array)
     c1 = jnp.minimum(p, cap - n)
     storage, w1, tok = P.bind_read(b.storage, b.token, at(c1), sizes)
     storage, w2, tok = P.bind_read(storage, tok, at(p * 0), sizes)
-    both = jnp.concatenate([w1, w2], ax)
-    return storage, lax.dynamic_slice_in_dim(both, p - c1, n, ax), tok
+    # As bits (`_xla.carrier`): XLA:CPU would move bfloat16 and float8 through
+    # float32, dropping NaN payloads.
+    both = jnp.concatenate([to_carrier(w1), to_carrier(w2)], ax)
+    window = lax.dynamic_slice_in_dim(both, p - c1, n, ax)
+    return storage, from_carrier(window, w1.dtype), tok
 
 
 def _ring_update(b: Leaves, upd: jax.Array, starts: list, head: jax.Array):
@@ -622,8 +632,10 @@ def _ring_update(b: Leaves, upd: jax.Array, starts: list, head: jax.Array):
         # The update's element at each physical position of this window, if any.
         j = c + lax.iota(p.dtype, n) - p
         j = jnp.where(j < 0, j + cap, j)
-        vals = jnp.take(upd, jnp.minimum(j, n - 1), axis=ax)
-        new = jnp.where((j < n).reshape(shape), vals, old)
+        # Selected as bits (`_xla.carrier`), as in `_ring_read`.
+        vals = jnp.take(to_carrier(upd), jnp.minimum(j, n - 1), axis=ax)
+        new = jnp.where((j < n).reshape(shape), vals, to_carrier(old))
+        new = from_carrier(new, old.dtype)
         storage, _, tok = P.bind_swap(storage, tok, new, at(c), read=False)
     return storage, tok
 

@@ -79,12 +79,14 @@ from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.core import ShapedArray
 from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 
 from ._xla import (
+    carrier,
     from_carrier,
     loop_not_unrolled,
     lowered_without_explicit_shardings,
@@ -356,6 +358,9 @@ def _swap_impl(storage, tok, update, *starts, read, nbatch=0):
     bshape, size = _batch_size(starts)
     if _touches_nothing(size, update.shape[len(bshape) :]):
         return storage, jnp.zeros(update.shape, update.dtype), tok
+    # Moved as bits (see `carrier`): XLA:CPU rewrites a bfloat16 or float8 window
+    # through float32, dropping NaN payloads.
+    dtype, storage, update = storage.dtype, to_carrier(storage), to_carrier(update)
     update = _flat(update, bshape)
     if read:
         # Read the old windows (`_read_impl`), then write, with the write depending
@@ -374,7 +379,8 @@ def _swap_impl(storage, tok, update, *starts, read, nbatch=0):
 
     at = _free_dim(update.shape[1:], storage.shape)
     storage = _write(tok, size, body, storage, starts, at)
-    return storage, old.reshape(bshape + update.shape[1:]), tok_in
+    old = from_carrier(old.reshape(bshape + update.shape[1:]), dtype)
+    return from_carrier(storage, dtype), old, tok_in
 
 
 def _swap_abstract(storage, tok, update, *starts, read, nbatch):
@@ -532,9 +538,13 @@ def _insert_impl(storage, tok, value, *idx, axis, ordered, nbatch=0):
     bshape, size = _batch_size(idx)
     if _touches_nothing(size, storage.shape):
         return storage, tok
+    # A shift is a `select` of every element of its line: moved as bits (see
+    # `carrier`), or XLA:CPU drops the NaN payloads of bfloat16 and float8 lines.
+    dtype, storage, value = storage.dtype, to_carrier(storage), to_carrier(value)
     value, heads = _flat(value, bshape), _heads(head, bshape)
     new_line = lambda j, line, col: _shift_right(line, col, _take(value, j), heads(j))
-    return _shift(storage, tok, idx, axis, new_line, ordered)[0], tok
+    storage = _shift(storage, tok, idx, axis, new_line, ordered)[0]
+    return from_carrier(storage, dtype), tok
 
 
 def _insert_abstract(storage, tok, value, *idx, axis, ordered, nbatch):
@@ -568,8 +578,11 @@ def _line_pair(storage, size: int, axis: int) -> int | None:
 
 
 def _pop_impl(storage, tok, *idx, axis, fill, read, ordered, nbatch=0):
+    # Moved as bits, as an insert (`_insert_impl`); `fill` too.
+    dtype, storage = storage.dtype, to_carrier(storage)
+    fill = np.asarray(fill, dtype).view(carrier(dtype))[()]
     storage, removed = _pop_edit(storage, tok, idx, axis, fill, read, ordered)
-    return storage, removed, tok
+    return from_carrier(storage, dtype), from_carrier(removed, dtype), tok
 
 
 def _pop_edit(storage, tok, idx, axis, fill, read, ordered):
@@ -793,7 +806,10 @@ def _rotate_impl(x, shift, *, axis):
     pos = jnp.where(pos >= n, pos - n, pos)
     pos = pos.reshape(pos.shape + (1,) * (x.ndim - axis - 1))
     pos = pos.reshape(pos.shape[:nb] + (1,) * (axis - nb) + pos.shape[nb:])
-    return jnp.take_along_axis(x, pos, axis=axis, mode="promise_in_bounds")
+    # Moved as bits (see `carrier`): a gather of bfloat16 or float8 on XLA:CPU
+    # drops NaN payloads.
+    out = jnp.take_along_axis(to_carrier(x), pos, axis=axis, mode="promise_in_bounds")
+    return from_carrier(out, x.dtype)
 
 
 def _rotate_abstract(x, shift, *, axis):

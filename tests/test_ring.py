@@ -185,3 +185,49 @@ def test_a_ring_crosses_serialisation_and_state(tmp_path):
     for i in range(3):
         want = ref.insert(want, (0,), np.full(2, float(i), np.float32), 0)
     np.testing.assert_array_equal(state.get(index).array, want)
+
+
+def _all_patterns(dtype):
+    """Rows of 4 elements holding bit patterns of `dtype` (NaN payloads, signalling
+    NaNs, subnormals), at most 3072 of them."""
+    width = np.dtype(dtype).itemsize
+    bits = np.arange(2 ** (8 * width), dtype=np.int64)
+    if bits.size > 4096:
+        bits = bits[np.r_[0:1024, 32000:33024, 64512:65536]]
+    return bits.astype({1: np.uint8, 2: np.uint16}[width]).view(dtype).reshape(-1, 4)
+
+
+@pytest.mark.parametrize(
+    "dtype",
+    [jnp.bfloat16, jnp.float8_e5m2, jnp.float8_e4m3fn, jnp.float16],
+    ids=lambda d: np.dtype(d).name,
+)
+@pytest.mark.parametrize("lines", [1, 3], ids=["ring", "rows"])
+def test_shifts_and_writes_move_every_bit_pattern(dtype, lines):
+    # A shift or a window write rewrites elements it does not change; they keep
+    # their bits (NaN payloads, signalling NaNs, subnormals), on a ring (one line)
+    # and on rows (three lines, shifted along axis 1).
+    a = _all_patterns(dtype)
+    k = a.shape[0]
+
+    def edits(x):
+        b = esb.ShiftBuffer(jnp.broadcast_to(x, (lines,) + x.shape), axis=1)
+        line = (lines - 1,)
+        b = b.insert(line + (0,), x[3])
+        b, top = b.pop(line + (0,))
+        b = b.insert(line + (0,), x[2]).insert(line + (jnp.int32(5),), x[1])
+        b, mid = b.pop(line + (jnp.int32(7),))
+        b = b.dynamic_update_slice(x[None, 9:12], line + (jnp.int32(k - 3), 0))
+        b, w = b.read(line + (jnp.int32(k - 3), 0), (1, 3, 4))
+        return b.array[-1], top, mid, w[0]
+
+    want = ref.insert(np.asarray(a), (0,), a[3], 0)
+    want, top = ref.pop(want, (0,), 0)
+    want = ref.insert(ref.insert(want, (0,), a[2], 0), (5,), a[1], 0)
+    want, mid = ref.pop(want, (7,), 0)
+    want = ref.dynamic_update_slice(want, a[9:12], (k - 3, 0))
+    expected = (want, top, mid, want[k - 3 :])
+    got = jax.jit(edits)(jnp.asarray(a))
+    for g, e in zip(got, expected, strict=True):
+        g, e = np.asarray(g), np.asarray(e, dtype)
+        assert g.tobytes() == e.tobytes()
