@@ -36,7 +36,7 @@ from typing import Any
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-from equinox.internal import unvmap_any
+from equinox.internal import unvmap_any, unvmap_max
 from jax import lax
 from jax.core import ShapedArray
 
@@ -358,14 +358,22 @@ def check_on_the_side(error, pred, index, msgs) -> None:
     the storage to make it depend on the check is an in-place write that the next
     edit of the buffer, or returning it from the step, then copies.
 
+    The callback takes the check's result reduced over `jax.vmap`'s batch
+    (`unvmap_max`): one callback for the batch. Batched, the callback runs once
+    per element, on the element sliced out of the batch, which a batch sharded
+    over devices on a mesh with explicit axes refuses (`ShardingTypeError`: a
+    `jax.vmap` of a per-example loss that reads `.array` in its loop).
+
     Pinned by `tests/test_corpus.py::test_no_per_iteration_copies` on the
-    `kv_cache_attention` body (which reads the whole cache every step) and by the
-    tests of `tests/test_errors.py` that a recorded error is raised.
+    `kv_cache_attention` body (which reads the whole cache every step), by the
+    tests of `tests/test_errors.py` that a recorded error is raised, and by
+    `tests/test_sharding.py` (the per-example loss).
     """
 
     def check():
         carrier = invariant(error)
-        jax.debug.callback(_nothing, eqx.branched_error_if(carrier, pred, index, msgs))
+        checked = eqx.branched_error_if(carrier, pred, index, msgs)
+        jax.debug.callback(_nothing, unvmap_max(lax.stop_gradient(checked)))
 
     lax.cond(unvmap_any(pred), check, lambda: None)
 
