@@ -87,6 +87,7 @@ from jax.interpreters import ad, batching, mlir
 
 from ._xla import (
     carrier,
+    explicit_sharding,
     from_carrier,
     loop_not_unrolled,
     lowered_without_explicit_shardings,
@@ -869,8 +870,11 @@ def _zero_tangent(x):
 
 def _zeros_like_aval(x):
     """Zeros of the type `x` (an aval or array): inside a `shard_map`, varying over
-    the same axes, as its checks require of a tangent or cotangent."""
-    z = jnp.zeros(x.shape, x.dtype)
+    the same axes, as its checks require of a tangent or cotangent; on a mesh with
+    explicit axes, sharded as `x` is (a cotangent of a batch sharded over devices
+    must have its type)."""
+    aval = jax.typeof(x) if isinstance(x, jax.Array) else x
+    z = lax.full(aval.shape, 0, aval.dtype, sharding=explicit_sharding(aval))
     axes = tuple(sorted(varying_axes_of_aval(x)))
     return jax.lax.pcast(z, axes, to="varying") if axes else z
 

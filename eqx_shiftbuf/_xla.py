@@ -20,7 +20,7 @@ its docstring says what XLA does without it and which test fails if it goes:
 | `after` | removes a check no output depends on |
 | `invariant` | (JAX, not XLA) `shard_map`'s checks refuse a varying value in Equinox's check |
 | `split_over_devices` | gathers the whole sharded batch to loop over its elements |
-| `lowered_without_explicit_shardings` | (JAX) refuses the lowering's slices of a sharded dimension |
+| `lowered_without_explicit_shardings` | (JAX) refuses the lowering's slices of a sharded dimension, and its values typed on the mesh beside local ones |
 | `tokens_per_element` / `tokens_reduced_locally` | (JAX) all-reduces a sharded batch of tokens at every access |
 
 These behaviours were measured on XLA:CPU with jaxlib 0.10.x (the pinned range in
@@ -561,44 +561,80 @@ def _pad_spec(spec: tuple, ndim: int):
 
 
 def lowered_without_explicit_shardings(lower_rule: Callable) -> Callable:
-    """An MLIR lowering rule, traced on operand and result types stripped of
-    explicit shardings.
+    """An MLIR lowering rule, traced with every type local: on operand and result
+    types stripped of their mesh, and with no mesh in context, so that the values
+    the lowering makes (constants, iotas, loop states) are typed as its operands.
 
     On a mesh with explicit axes (the default of `jax.make_mesh`), the types of a
     batch sharded over devices carry its sharding, and the lowering's `lax`
     operations are type-checked against it: taking the first element of the
     storage for a run-time zero (`opaque_zero`, `loop_not_unrolled`) slices a
-    sharded dimension, which JAX refuses (`ShardingTypeError`). The lowering is
-    partitioned by `split_over_devices`, each device running it on its own
-    elements, so its body needs no sharding in its types. Inside a `shard_map`
-    the types are local and kept as they are.
+    sharded dimension, which JAX refuses (`ShardingTypeError`). Stripping only
+    the sharded types is not enough: the other operands (a fill or an index made
+    under `jax.vmap`, replicated) and the values the lowering makes under
+    `jax.set_mesh` are typed on the mesh, and an operation that requires equal
+    types (`dynamic_update_slice` of a local storage with an update on the mesh)
+    refuses them. The lowering is partitioned by `split_over_devices`, each
+    device running it on its own elements, so its body needs no sharding in its
+    types. Inside a `shard_map` the types are local and kept as they are; a
+    program on no explicit mesh is lowered as it is.
 
-    Pinned by `tests/test_sharding.py` (the explicit mesh).
+    Pinned by `tests/test_sharding.py` (the explicit mesh, and `jax.vmap` of a
+    per-example loss under `jax.set_mesh`).
     """
 
     def rule(ctx, *args, **params):
-        if any(_explicitly_sharded(a) for a in (*ctx.avals_in, *ctx.avals_out)):
-            ctx = ctx.replace(
-                avals_in=[_unsharded(a) for a in ctx.avals_in],
-                avals_out=[_unsharded(a) for a in ctx.avals_out],
-            )
-        return lower_rule(ctx, *args, **params)
+        if not any(_on_explicit_mesh(a) for a in (*ctx.avals_in, *ctx.avals_out)):
+            return lower_rule(ctx, *args, **params)
+        from jax.sharding import AbstractMesh, use_abstract_mesh
+
+        ctx = ctx.replace(
+            avals_in=[_local(a) for a in ctx.avals_in],
+            avals_out=[_local(a) for a in ctx.avals_out],
+        )
+        with use_abstract_mesh(AbstractMesh((), ())):
+            return lower_rule(ctx, *args, **params)
 
     return rule
 
 
-def _explicitly_sharded(aval) -> bool:
-    sharding = getattr(aval, "sharding", None)
-    mesh = getattr(sharding, "mesh", None)
+def explicit_sharding(aval) -> Any:
+    """The sharding in the type `aval`, if it has one on a mesh with explicit
+    axes (else None): what a value made to have that type must be given."""
+    return aval.sharding if _explicitly_sharded(aval) else None
+
+
+def _explicit_mesh(aval) -> Any:
+    """The mesh of `aval`'s type if it has explicit axes and none manual (outside
+    a `shard_map`), else None."""
+    from jax.sharding import AxisType
+
+    mesh = getattr(getattr(aval, "sharding", None), "mesh", None)
     if mesh is None or mesh.empty or getattr(mesh, "manual_axes", ()):
+        return None
+    types = getattr(mesh, "axis_types", ())
+    return mesh if any(t == AxisType.Explicit for t in types) else None
+
+
+def _on_explicit_mesh(aval) -> bool:
+    return _explicit_mesh(aval) is not None
+
+
+def _explicitly_sharded(aval) -> bool:
+    if _explicit_mesh(aval) is None:
         return False
-    return any(s is not None for s in sharding.spec)  # pyright: ignore[reportOptionalMemberAccess]  (a mesh implies a sharding)
+    return any(s is not None for s in aval.sharding.spec)
 
 
-def _unsharded(aval):
-    if not _explicitly_sharded(aval):
+def _local(aval):
+    """`aval` with no mesh (a `ShapedArray` of its shape and dtype), if it has an
+    explicit one."""
+    if not _on_explicit_mesh(aval):
         return aval
-    return ShapedArray(aval.shape, aval.dtype, aval.weak_type)
+    from jax.sharding import AbstractMesh, use_abstract_mesh
+
+    with use_abstract_mesh(AbstractMesh((), ())):
+        return ShapedArray(aval.shape, aval.dtype, aval.weak_type)
 
 
 def tokens_per_element(tok: Any, tdim: int | None) -> bool:
