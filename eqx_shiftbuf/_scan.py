@@ -539,7 +539,11 @@ def _reverse_pass(
 # only when they are (consts at 0, xs at 1: after the scanned axis).
 
 
-def _batch_body(jaxpr, num_consts, num_carry, size, consts_batched, xs_batched):
+def _batch_body(jaxpr, num_consts, num_carry, size, consts_batched, xs_batched, args):
+    """The body vmapped over the batch of `args` (the operands, placed by
+    `_place`): traced at their types, so that a batch sharded over devices (its
+    sharding in its type, on a mesh with explicit axes) is traced sharded, as
+    `jax.vmap` traces a function of it, and the results have its sharding."""
     num_in = len(jaxpr.in_avals)
     fun = jaxpr_as_fun(jaxpr)
     in_axes = (
@@ -547,9 +551,10 @@ def _batch_body(jaxpr, num_consts, num_carry, size, consts_batched, xs_batched):
         + [0] * num_carry
         + [0 if b else None for b in xs_batched]
     )
+    kinds = _kinds(num_in, num_consts, num_carry)
     in_avals = [
-        jcore.ShapedArray((size, *a.shape), a.dtype) if ax == 0 else a
-        for a, ax in zip(jaxpr.in_avals, in_axes)
+        a if ax is None else _batched_aval(x, kind)
+        for a, ax, x, kind in zip(jaxpr.in_avals, in_axes, args, kinds)
     ]
     assert len(in_avals) == num_in
     batched = jax.vmap(
@@ -557,6 +562,16 @@ def _batch_body(jaxpr, num_consts, num_carry, size, consts_batched, xs_batched):
     )
     new, extra = _trace(batched, in_avals, "esb.scan (vmapped body)")
     return new, extra
+
+
+def _batched_aval(x, kind):
+    """The type of one step's batched operand, from `x` as `_place` placed it (a
+    per-step input, kind "x", less its scanned axis): its sharding included, as
+    `lax.scan` traces its body. Not weakly typed: a batched operand is an array."""
+    t = _aval(x)
+    if kind == "x":
+        t = jcore.mapped_aval(t.shape[0], 0, t)
+    return t.update(weak_type=False)
 
 
 def _place(x, d, kind, batched, size):
@@ -610,9 +625,9 @@ def _scan_batch(
     size = _axis_size(args, dims)
     batched = [d is not None for d in dims]
     cb, _, xb = _split(batched, num_consts, num_carry)
-    new, extra = _batch_body(jaxpr, num_consts, num_carry, size, cb, xb)
     kinds = _kinds(len(args), num_consts, num_carry)
     args = [_place(*a, size) for a in zip(args, dims, kinds, batched)]
+    new, extra = _batch_body(jaxpr, num_consts, num_carry, size, cb, xb, args)
     out = scan_p.bind(
         *extra,
         *args,
@@ -646,9 +661,9 @@ def _lin_batch(
     tdim_full = _fill([None] * len(primals), inexact, tdims)
     batched = [(pd is not None) or (td is not None) for pd, td in zip(pdims, tdim_full)]
     cb, _, xb = _split(batched, num_consts, num_carry)
-    new, extra = _batch_body(jaxpr, num_consts, num_carry, size, cb, xb)
     kinds = _kinds(num_in, num_consts, num_carry)
     primals = [_place(*a, size) for a in zip(primals, pdims, kinds, batched)]
+    new, extra = _batch_body(jaxpr, num_consts, num_carry, size, cb, xb, primals)
     # Tangents exist for the inexact primals only, and go where their primal goes.
     tangent_kinds = _pick(list(zip(kinds, batched)), inexact)
     tangents = [
