@@ -31,6 +31,7 @@ from ._xla import (
     from_carrier,
     invariant,
     keep_alive,
+    on_the_operands_mesh,
     to_carrier,
     varying_axes,
 )
@@ -252,6 +253,7 @@ def _code_index(error: Any) -> jax.Array:
     return jnp.clip(error.astype(jnp.int32) - 1, 0, _MAX_CODE - 1)
 
 
+@on_the_operands_mesh
 def raise_deferred(
     storage: jax.Array, error: Any, batch_shape: tuple[int, ...] = ()
 ) -> jax.Array:
@@ -379,6 +381,7 @@ def _index_entries(index: Any, argname: str, count: int, what: str) -> list[Any]
     return entries
 
 
+@on_the_operands_mesh
 def check_index(
     index: Any,
     shape: tuple[int, ...],
@@ -411,6 +414,7 @@ def check_index(
     )
 
 
+@on_the_operands_mesh
 def check_starts(
     starts: Any,
     shape: tuple[int, ...],
@@ -566,6 +570,7 @@ def _moved(b: Leaves, storage: Any, error: Any, token: Any, head: Any) -> Leaves
     return Leaves(storage, error, token, ring)
 
 
+@on_the_operands_mesh
 def logical(storage: jax.Array, ring: Ring | None, batch_shape=()) -> jax.Array:
     """The logical contents of `storage` (of a batch of buffers with
     `batch_shape`): the ring unrotated."""
@@ -667,6 +672,7 @@ def array_leaves(arr: jax.Array) -> Leaves:
     return Leaves(arr, None, P.new_token())
 
 
+@on_the_operands_mesh
 def read_window(
     b: Leaves, start_indices: Any, slice_sizes: Any, mode: str | None
 ) -> tuple[Leaves, jax.Array]:
@@ -690,6 +696,7 @@ def read_window(
     return b._replace(storage=storage, error=error, token=tok), window
 
 
+@on_the_operands_mesh
 def checked_update(
     shape: tuple[int, ...],
     dtype: Any,
@@ -725,6 +732,7 @@ def checked_update(
     return upd, starts, error
 
 
+@on_the_operands_mesh
 def update_window(
     b: Leaves, update: Any, start_indices: Any, mode: str | None
 ) -> Leaves:
@@ -740,6 +748,7 @@ def update_window(
     return b._replace(storage=storage, error=error, token=tok)
 
 
+@on_the_operands_mesh
 def insert_at(b: Leaves, index: Any, value: Any, axis: int, mode: str | None) -> Leaves:
     """The leaves after inserting `value` at `index`, shifting right along `axis`."""
     shape = b.storage.shape
@@ -765,6 +774,7 @@ def insert_at(b: Leaves, index: Any, value: Any, axis: int, mode: str | None) ->
     return _moved(b, storage, error, tok, new_head if end == "front" else None)
 
 
+@on_the_operands_mesh
 def pop_at(
     b: Leaves, index: Any, axis: int, fill: Any, mode: str | None, read: bool
 ) -> tuple[Leaves, jax.Array]:

@@ -21,6 +21,7 @@ its docstring says what XLA does without it and which test fails if it goes:
 | `invariant` | (JAX, not XLA) `shard_map`'s checks refuse a varying value in Equinox's check |
 | `split_over_devices` | gathers the whole sharded batch to loop over its elements |
 | `lowered_without_explicit_shardings` | (JAX) refuses the lowering's slices of a sharded dimension, and its values typed on the mesh beside local ones |
+| `on_the_operands_mesh` | (JAX) types a constant made without `jax.set_mesh` on no mesh, which `vmap` of a sharded batch cannot batch |
 | `tokens_per_element` / `tokens_reduced_locally` | (JAX) all-reduces a sharded batch of tokens at every access |
 
 These behaviours were measured on XLA:CPU with jaxlib 0.10.x (the pinned range in
@@ -30,6 +31,7 @@ changes them.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -596,6 +598,48 @@ def lowered_without_explicit_shardings(lower_rule: Callable) -> Callable:
             return lower_rule(ctx, *args, **params)
 
     return rule
+
+
+def on_the_operands_mesh(fn: Callable) -> Callable:
+    """`fn` (an operation of the library, traced on its operands), run with the
+    mesh of its operands' types in context when there is none.
+
+    On a mesh with explicit axes, the values an operation makes from constants
+    (an error code, an index, a fill) have the context's mesh in their type, and
+    its operands the mesh they were sharded on. Without `jax.set_mesh`, the
+    context has none: a constant selected by a per-example condition under
+    `jax.vmap` (the error code of a traced index) is then typed on no mesh, and
+    when `jax.vmap` batches a `lax.scan` body that holds it over the sharded
+    batch, JAX cannot type it (`ValueError: Resource axis: b of P('b',) is not
+    found in mesh: ()`). Plain JAX code fails alike; an operation of this library
+    runs as it would under `jax.set_mesh(mesh)`. Inside a `shard_map` (manual
+    axes), on an `Auto` mesh, or with a mesh in context, `fn` runs as it is.
+
+    Pinned by `tests/test_sharding.py` (`jax.vmap` of a per-example loss with
+    traced indices, on an explicit mesh not set in context).
+    """
+
+    @functools.wraps(fn)
+    def wrapped(*args, **kwargs):
+        from jax.sharding import get_abstract_mesh, use_abstract_mesh
+
+        if not get_abstract_mesh().empty:
+            return fn(*args, **kwargs)
+        mesh = next(
+            (
+                m
+                for x in jax.tree.leaves((args, kwargs))
+                if isinstance(x, jax.Array)
+                and (m := _explicit_mesh(jax.typeof(x))) is not None
+            ),
+            None,
+        )
+        if mesh is None:
+            return fn(*args, **kwargs)
+        with use_abstract_mesh(mesh):
+            return fn(*args, **kwargs)
+
+    return wrapped
 
 
 def explicit_sharding(aval) -> Any:
