@@ -190,7 +190,14 @@ def collectives(fn, args, min_bytes: int = 0, in_loops: bool = False) -> dict[st
     """Counts of collectives in the compiled program of `fn(*args)` whose result
     is at least `min_bytes` (with `in_loops`, only those that run inside a loop,
     at every step): `{op: count}` (only the nonzero ones)."""
-    comps = _computations(fn.lower(*args).compile().as_text())
+    return collectives_in_hlo(fn.lower(*args).compile().as_text(), min_bytes, in_loops)
+
+
+def collectives_in_hlo(
+    text: str, min_bytes: int = 0, in_loops: bool = False
+) -> dict[str, int]:
+    """`collectives`, in the text of a compiled program."""
+    comps = _computations(text)
     looped = _in_loops(comps) if in_loops else None
     counts: dict[str, int] = {}
     for name, lines in comps.items():

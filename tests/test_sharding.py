@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 SCRIPT = textwrap.dedent(
     """
-    import os, re, sys
+    import contextlib, os, re, sys
     os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
     sys.path.insert(0, os.environ["ESB_ROOT"])
     sys.path.insert(0, os.path.join(os.environ["ESB_ROOT"], "benchmarks"))
@@ -26,6 +26,7 @@ SCRIPT = textwrap.dedent(
     from jax import lax
     from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
     import eqx_shiftbuf as esb
+    from eqx_shiftbuf._inspect import loop_copies_in_hlo
     import sharding as S
 
     assert len(jax.devices()) == 4
@@ -66,6 +67,77 @@ SCRIPT = textwrap.dedent(
         sh = NamedSharding(mesh, P("b"))
         a = jax.device_put(args, sh)
         check(mname + " esb.scan grad", S.grad_fn("esb.scan"), a, ref, sh)
+
+    # A jax.vmap of a per-example loss that makes its own buffers and loops over
+    # them: the data-parallel pattern. A ring (edits at its ends and at a traced
+    # middle; a window read across its wrap) and a buffer of 3 lines, with checked
+    # indices in a lax.scan (reading the whole buffer, which checks the record,
+    # at every step) and promised ones in an esb.scan, in one program (one
+    # compile each way). Exact against one device, sharded as its inputs, and no
+    # collective on a buffer (at least one example's smaller buffer) nor per-step
+    # copy of one, on an explicit mesh with none set in context and under
+    # jax.set_mesh. (The checked steps all-reduce a few scalars at each step:
+    # whether any example's index is out of range.)
+    K, D = 32, 8
+
+    def per_example(a, xs, ks):
+        def step(mode):
+            def f(bufs, inp):
+                ring, lines = bufs
+                x, k = inp
+                ring = ring.insert(0, x, mode=mode)
+                ring = ring.insert(k, jnp.cos(x), mode=mode)
+                ring, w = ring.read((k, 0), (2, D), mode=mode)
+                ring = ring.delete(k + 1, mode=mode)
+                ring, v = ring.pop(K - 1, mode=mode)
+                y = (w * w).sum() + jnp.sin(v).sum()
+                y = y + ring.dynamic_slice((0, 0), (4, D), mode=mode).sum()
+                lines = lines.insert((k % 3, k), x[0], mode=mode)
+                lines, c = lines.read((0, k), (3, 1), mode=mode)
+                lines, u = lines.pop((2 - k % 3, K - 1 - k), mode=mode)
+                y = y + (c * c).sum() + u
+                if mode is None:
+                    lines, whole = lines.read()
+                    y = y + whole.sum()
+                return (ring, lines), y
+
+            return f
+
+        loss = 0.0
+        for mode, scan in ((None, lax.scan), ("promise_in_bounds", esb.scan)):
+            ring = esb.ShiftBuffer.from_array(a, axis=0)  # one line: a ring
+            lines = esb.ShiftBuffer.from_array(a.T[:3], axis=1)
+            (ring, lines), ys = scan(step(mode), (ring, lines), (xs, ks))
+            loss = loss + ys.sum() + (ring.array**2).sum() + jnp.cos(lines.array).sum()
+        return loss
+
+    vg = jax.jit(
+        jax.grad(lambda *a: jax.vmap(per_example)(*a).sum(), argnums=(0, 1))
+    )
+    rng = np.random.default_rng(0)
+    args = (
+        rng.random((8, K, D), dtype=np.float32),
+        rng.random((8, 6, D), dtype=np.float32),
+        rng.integers(0, K - 2, (8, 6), dtype=np.int32),
+    )
+    ref = vg(*jax.device_put(args, jax.devices()[0]))
+    mesh = meshes["explicit"]
+    sh = NamedSharding(mesh, P("b"))
+    a = jax.device_put(args, sh)
+    buffer_bytes = 3 * K * 4
+    for ctx in ("no mesh in context", "jax.set_mesh"):
+        name = "vmap(per-example loss), " + ctx
+        with jax.set_mesh(mesh) if ctx == "jax.set_mesh" else contextlib.nullcontext():
+            compiled = vg.lower(*a).compile()
+        out = jax.block_until_ready(compiled(*a))
+        hlo = compiled.as_text()
+        assert S.exact(out, ref), name
+        assert S.keeps_sharding(out, sh), name
+        cols = S.collectives_in_hlo(hlo, buffer_bytes)
+        assert not cols, (name, cols)
+        copies = loop_copies_in_hlo(hlo, buffer_bytes)
+        assert not copies, (name, copies)
+        print("ok", name, "scalar collectives:", S.collectives_in_hlo(hlo))
 
     print("ALL OK")
     """
