@@ -480,6 +480,16 @@ def _compiled_text(fn: Callable, args: tuple, kwargs: dict) -> str:
     donation does not apply then, which only changes copies outside the loops. The
     static leaves need not be hashable: the closure is built per call.
     """
+    if isinstance(fn, (jax.stages.Compiled, jax.stages.Lowered)):
+        # Already lowered or compiled (with its own shardings, mesh or options):
+        # read as it is, not compiled again.
+        if args or kwargs:
+            raise TypeError(
+                "`fn` is already lowered or compiled: pass no arguments with it; "
+                f"got {len(args)} positional and {len(kwargs)} keyword arguments."
+            )
+        compiled = fn.compile() if isinstance(fn, jax.stages.Lowered) else fn
+        return compiled.as_text()
     if isinstance(fn, jax.stages.Wrapped) and _is_leaf(fn):
         lowered = fn.lower(*args, **kwargs)
     else:
@@ -522,7 +532,9 @@ def find_loop_copies(
     - `fn`: what you call: a plain function, a `jax.jit` or `eqx.filter_jit` one, an
       `eqx.filter_grad`/`eqx.filter_value_and_grad` wrapper (with or without an
       outer `eqx.filter_jit`), or an Equinox module. A `jax.jit` object is compiled
-      as it is (its `static_argnums` hold); anything else inside a `jax.jit`.
+      as it is (its `static_argnums` hold); anything else inside a `jax.jit`. Or
+      what `jax.jit(f).lower(...)` or its `.compile()` returned, with no
+      arguments: its program as it is (its shardings and mesh included).
     - `*args`, `**kwargs`: what to call it with: pytrees of arrays or
       `jax.ShapeDtypeStruct`s, which may hold other leaves (an `eqx.nn.MLP`'s
       activation, ints, strings). If they do, or if `fn` is an Equinox module or

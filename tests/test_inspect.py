@@ -95,6 +95,22 @@ def test_filter_jit_of_filter_grad_with_an_mlp_argument():
     assert all(c.shape == f"f32[{ROWS},{COLS}]" for c in copying)
 
 
+def test_a_lowered_or_compiled_program_is_read_as_it_is():
+    # What `jax.jit(f).lower(...)` and `.compile()` return (a program compiled
+    # with its own shardings, say): no arguments, and not compiled again.
+    mlp = _mlp()
+    params, static = eqx.partition(mlp, eqx.is_array)
+    loss = lambda p, init, xs: _copying_loss(eqx.combine(p, static), init, xs)
+    lowered = jax.jit(jax.grad(loss)).lower(params, _init(), _xs())
+    compiled = lowered.compile()
+    assert len(_copies(compiled)) >= 1
+    assert _copies(lowered) == _copies(compiled)
+    in_place = lambda p, init, xs: _in_place_loss(eqx.combine(p, static), init, xs)
+    assert _copies(jax.jit(jax.grad(in_place)).lower(params, _init(), _xs())) == []
+    with pytest.raises(TypeError, match="already lowered or compiled"):
+        _copies(compiled, params)
+
+
 def test_filter_grad_without_filter_jit():
     copies = _copies(eqx.filter_grad(_copying_loss), _mlp(), _init(), _xs())
     assert len(copies) >= 1

@@ -139,6 +139,15 @@ SCRIPT = textwrap.dedent(
         assert not copies, (name, copies)
         print("ok", name, "scalar collectives:", S.collectives_in_hlo(hlo))
 
+    # The stack tutorial's data-parallel training step (an Auto mesh: XLA
+    # propagates the batch's sharding through the model), on the 4 devices.
+    sys.path.insert(0, os.path.join(os.environ["ESB_ROOT"], "docs", "tutorials"))
+    import stack_rnn
+    dp = stack_rnn.check_data_parallel("small")
+    assert dp["devices"] == 4 and dp["max_difference"] < 1e-5, dp
+    assert dp["moves"] == 0 and dp["copies"] == 0 and dp["all_reduces"] >= 1, dp
+    print("ok stack tutorial, data parallel", dp)
+
     print("ALL OK")
     """
 )

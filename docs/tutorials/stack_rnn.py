@@ -25,6 +25,8 @@ Run it by hand: `python docs/tutorials/stack_rnn.py [--size small]`.
 from __future__ import annotations
 
 import argparse
+import math
+import re
 import time
 import timeit
 
@@ -33,6 +35,7 @@ import jax
 import jax.numpy as jnp
 import optax
 from jax import lax
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 from jaxtyping import Array
 
 import eqx_shiftbuf as esb
@@ -153,6 +156,73 @@ def make_batch(key, batch: int, vocab: int, max_len: int):
     return tokens, ops.astype(jnp.int32), targets
 
 
+# --8<-- [start:data_parallel]
+def make_train_step(optimiser):
+    @jax.jit  # the model, its optimiser state and the stacks hold only arrays
+    def train_step(model, opt_state, empty, tokens, ops, targets):
+        value, grads = eqx.filter_value_and_grad(loss)(
+            model, empty, tokens, ops, targets
+        )
+        updates, opt_state = optimiser.update(grads, opt_state, model)
+        return eqx.apply_updates(model, updates), opt_state, value
+
+    return train_step
+
+
+def data_parallel(train_step, model, opt_state, empty, data, devices):
+    """One training step with the batch split over `devices`: each device runs
+    the loss, the stacks and the gradient of its own sequences; the gradient is
+    summed over devices (an all-reduce of the parameters' size).
+
+    The mesh's axis is `Auto`: XLA propagates the batch's sharding through the
+    model. (With `Explicit` axes, JAX asks the embedding lookup `self.embed[token]`
+    for the sharding of its result.)"""
+    mesh = jax.make_mesh(
+        (len(devices),), ("batch",), devices=devices, axis_types=(AxisType.Auto,)
+    )
+    data = jax.device_put(data, NamedSharding(mesh, P("batch")))
+    replicated = NamedSharding(mesh, P())
+    model, opt_state, empty = jax.device_put((model, opt_state, empty), replicated)
+    compiled = train_step.lower(model, opt_state, empty, *data).compile()
+    return compiled(model, opt_state, empty, *data), compiled
+
+
+# --8<-- [end:data_parallel]
+
+
+def check_data_parallel(size: str = "small") -> dict:
+    """The data-parallel step against the same step on one device, on as many
+    devices as divide the batch: its loss and updated model, and the collectives
+    that move data between devices other than by summing (all-gather, all-to-all,
+    collective-permute), which would mean a stack crossed devices."""
+    dims = SIZES[size]
+    vocab, max_len, width = dims["vocab"], dims["max_len"], dims["width"]
+    devices = jax.devices()[: math.gcd(len(jax.devices()), dims["batch"])]
+    model = StackRNN(vocab, width, key=jax.random.key(0))
+    optimiser = optax.adam(3e-3)
+    opt_state = optimiser.init(model)
+    empty = ShiftStack.empty(max_len, width)
+    data = make_batch(jax.random.key(3), dims["batch"], vocab, max_len)
+    train_step = make_train_step(optimiser)
+    one = train_step(model, opt_state, empty, *data)
+    many, compiled = data_parallel(train_step, model, opt_state, empty, data, devices)
+    hlo = compiled.as_text()
+    stacks_bytes = dims["batch"] // len(devices) * (max_len + 1) * width * 4
+    moves = re.findall(r"= \S+ (all-gather|all-to-all|collective-permute)[(-]", hlo)
+    diff = max(
+        float(jnp.max(jnp.abs(a - b)))
+        for a, b in zip(jax.tree.leaves(one[::2]), jax.tree.leaves(many[::2]))
+    )
+    return dict(
+        devices=len(devices),
+        max_difference=diff,
+        moves=len(moves),
+        all_reduces=len(re.findall(r"= \S+ all-reduce(?:-start)?\(", hlo)),
+        # The stacks of one device's sequences: the compiled program is per device.
+        copies=len(esb.find_loop_copies(compiled, min_bytes=stacks_bytes)),
+    )
+
+
 def accuracy(model, empty, tokens, ops, targets) -> float:
     logits = jax.vmap(lambda t, o: model(empty, t, o))(tokens, ops)
     right = (jnp.argmax(logits, -1) == targets) & (ops == POP)
@@ -190,16 +260,7 @@ def main(size: str = "full") -> dict:
         optimiser = optax.adam(3e-3)
         opt_state = optimiser.init(eqx.filter(model, eqx.is_inexact_array))
 
-        @eqx.filter_jit
-        def train_step(
-            model, opt_state, tokens, ops, targets, empty=empty, opt=optimiser
-        ):
-            # Differentiate the model only: the empty stack is an argument.
-            value, grads = eqx.filter_value_and_grad(loss)(
-                model, empty, tokens, ops, targets
-            )
-            updates, opt_state = opt.update(grads, opt_state, model)
-            return eqx.apply_updates(model, updates), opt_state, value
+        train_step = make_train_step(optimiser)
 
         data = make_batch(jax.random.key(1), batch, vocab, max_len)
         # A `jax.jit` function (the model and the stacks hold only arrays): the
@@ -212,7 +273,7 @@ def main(size: str = "full") -> dict:
         start = time.perf_counter()
         for key in jax.random.split(jax.random.key(2), dims["train_steps"]):
             data = make_batch(key, batch, vocab, max_len)
-            model, opt_state, value = train_step(model, opt_state, *data)
+            model, opt_state, value = train_step(model, opt_state, empty, *data)
         seconds = time.perf_counter() - start
         acc = accuracy(model, empty, *test)
         out[name] = dict(
@@ -230,6 +291,14 @@ def main(size: str = "full") -> dict:
     out["shift_over_pointer"] = out["shift"]["grad_ms"] / out["pointer"]["grad_ms"]
     print(
         f"gradient time, shift stack / pointer stack: {out['shift_over_pointer']:.2f}x"
+    )
+    dp = out["data_parallel"] = check_data_parallel(size)
+    print(
+        f"data-parallel training step (shift stack) on {dp['devices']} device(s): "
+        f"largest difference from one device {dp['max_difference']:.1e}; "
+        f"{dp['moves']} collectives that move data (all-gather, all-to-all, "
+        f"collective-permute), {dp['all_reduces']} all-reduces (the gradient's "
+        f"sum); {dp['copies']} loop copies of the stacks"
     )
     return out
 
