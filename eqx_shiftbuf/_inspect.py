@@ -489,7 +489,7 @@ def _compiled_text(fn: Callable, args: tuple, kwargs: dict) -> str:
                 f"got {len(args)} positional and {len(kwargs)} keyword arguments."
             )
         compiled = fn.compile() if isinstance(fn, jax.stages.Lowered) else fn
-        return compiled.as_text()
+        return str(compiled.as_text())
     if isinstance(fn, jax.stages.Wrapped) and _is_leaf(fn):
         lowered = fn.lower(*args, **kwargs)
     else:
