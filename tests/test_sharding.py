@@ -139,6 +139,19 @@ SCRIPT = textwrap.dedent(
         assert not copies, (name, copies)
         print("ok", name, "scalar collectives:", S.collectives_in_hlo(hlo))
 
+    # A sharding that splits each buffer's lines is refused when compiled, with
+    # an error that names it (not all-gathers that would move the lines).
+    for mname, mesh in meshes.items():
+        a = jax.device_put(jnp.zeros((8, 16, 12)), NamedSharding(mesh, P(None, "b")))
+        edit = lambda x, r: esb.ShiftBuffer.from_array(x).insert((r, 0), 1.0).array
+        try:
+            jax.jit(jax.vmap(edit))(a, jnp.zeros(8, jnp.int32))
+        except Exception as e:
+            assert "batch axes only" in str(e) and "P(None, 'b'" in str(e), str(e)
+        else:
+            raise AssertionError(mname + ": a sharded line was not refused")
+        print("ok", mname, "a sharded line is refused")
+
     # The stack tutorial's data-parallel training step (an Auto mesh: XLA
     # propagates the batch's sharding through the model), on the 4 devices.
     sys.path.insert(0, os.path.join(os.environ["ESB_ROOT"], "docs", "tutorials"))
