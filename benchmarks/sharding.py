@@ -42,6 +42,7 @@ os.environ["XLA_FLAGS"] = (
 )
 
 import argparse  # noqa: E402
+import functools  # noqa: E402
 import re  # noqa: E402
 import sys  # noqa: E402
 import timeit  # noqa: E402
@@ -81,8 +82,8 @@ def make_args(steps: int, seed: int = 0):
     )
 
 
-def esb_edit(b, v, ri, ci, rd, cd):
-    return b.insert((ri, ci), v).delete((rd, cd))
+def esb_edit(b, v, ri, ci, rd, cd, mode=None):
+    return b.insert((ri, ci), v, mode=mode).delete((rd, cd), mode=mode)
 
 
 def lax_edit(buf, v, ri, ci, rd, cd):
@@ -98,7 +99,11 @@ def lax_edit(buf, v, ri, ci, rd, cd):
 
 
 def make_loss(kind: str):
-    """`loss(p, a, target, xs, ir, ic, dr, dc)` over a batch (leading axis)."""
+    """`loss(p, a, target, xs, ir, ic, dr, dc)` over a batch (leading axis).
+
+    `kind`: "lax", or "esb" / "esb.scan" (the scan used), with " promised" for edits
+    with `mode="promise_in_bounds"`.
+    """
 
     def loss(p, a, target, xs, ir, ic, dr, dc):
         values = jnp.sin(p[:, None] * xs)
@@ -108,8 +113,10 @@ def make_loss(kind: str):
             final, _ = lax.scan(step, a, inputs)
         else:
             bb = jax.vmap(esb.ShiftBuffer.from_array)(a)
-            step = lambda bb, x: (jax.vmap(esb_edit)(bb, *x), None)
-            scan = esb.scan if kind == "esb.scan" else lax.scan
+            mode = "promise_in_bounds" if kind.endswith("promised") else None
+            edit = functools.partial(esb_edit, mode=mode)
+            step = lambda bb, x: (jax.vmap(edit)(bb, *x), None)
+            scan = esb.scan if kind.startswith("esb.scan") else lax.scan
             bb, _ = scan(step, bb, inputs)
             final = bb.array
         return ((target - final) ** 2).sum()

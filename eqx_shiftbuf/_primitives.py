@@ -81,6 +81,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax._src import dispatch
 from jax.core import ShapedArray
 from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
@@ -689,6 +690,12 @@ def _define(name: str, impl: Callable, abstract: Callable, n_arrays: int) -> Pri
         return (split if many else plain)(ctx, *args, **params)
 
     mlir.register_lowering(p, lowered_without_explicit_shardings(lowering))
+    # The lowering asks how many devices the program runs on (`on_several_devices`),
+    # which JAX tells only to the lowerings of primitives it knows to need them.
+    # Without this, a sharded batch's accesses are not split over the devices
+    # unless some other such primitive (a callback) is in the same program, and XLA
+    # all-gathers the buffers (`tests/test_sharding.py`, promised edits).
+    dispatch.prim_requires_devices_during_lowering.add(p)
     return p
 
 

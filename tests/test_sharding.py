@@ -35,10 +35,10 @@ SCRIPT = textwrap.dedent(
     ref = S.grad_fn("esb")(*one)
     assert S.exact(ref, S.grad_fn("lax")(*one))
 
-    def check(name, fn, a, ref, sh):
+    def check(name, fn, a, ref, sh, sharded=lambda out: out):
         out = jax.block_until_ready(fn(*a))
         assert S.exact(out, ref), name
-        assert S.keeps_sharding(out, sh), name
+        assert S.keeps_sharding(sharded(out), sh), name
         cols = S.collectives(fn, a, 1 << 16)
         assert not cols, (name, cols)
         # Nor any collective, however small, at every step (a sharded batch's
@@ -59,6 +59,16 @@ SCRIPT = textwrap.dedent(
         check(mname + " shard_map grad", S.shard_map_fn(mesh), a, ref, sh)
         bb = jax.vmap(esb.ShiftBuffer.from_array)(a[1])
         check(mname + " .array", jax.jit(lambda bb: bb.array), (bb,), one[1], sh)
+        # Edits only, the buffers returned unread: no check, so no callback in the
+        # program, which would make JAX tell the lowerings the devices anyway (the
+        # accesses are split over them only if it does).
+        edits = jax.jit(lambda bb, xs: lax.scan(
+            lambda bb, x: (jax.vmap(S.esb_edit)(bb, *x), None), bb, xs)[0])
+        xs = lambda a: tuple(jnp.swapaxes(x, 0, 1) for x in (a[3], *a[4:]))
+        ref_bb = edits(jax.vmap(esb.ShiftBuffer.from_array)(one[1]), xs(one))
+        # (On the Auto mesh XLA may replicate the small per-element record.)
+        storage = lambda bb: bb._storage
+        check(mname + " edits, unread", edits, (bb, xs(a)), ref_bb, sh, storage)
 
     # esb.scan with a sharded carry: on the explicit mesh its own values (stored
     # carries, cotangent accumulators, the per-step inputs) must be typed with the
@@ -67,6 +77,8 @@ SCRIPT = textwrap.dedent(
         sh = NamedSharding(mesh, P("b"))
         a = jax.device_put(args, sh)
         check(mname + " esb.scan grad", S.grad_fn("esb.scan"), a, ref, sh)
+        for kind in ("esb promised", "esb.scan promised"):
+            check(f"{mname} {kind} grad", S.grad_fn(kind), a, ref, sh)
 
     # A jax.vmap of a per-example loss that makes its own buffers and loops over
     # them: the data-parallel pattern. A ring (edits at its ends and at a traced
