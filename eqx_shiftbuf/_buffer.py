@@ -134,10 +134,8 @@ class ShiftBuffer(eqx.Module):
         # tell that no edit ever recorded an error. `lax.scan` returns a carry
         # that its body passes through unchanged as the very object it was given,
         # so after edits that record nothing (`promise_in_bounds`) the record is
-        # still this constant, and `.array` adds no check: a check is a host
-        # callback, an effect, and a program with one leaves JAX's C++ dispatch
-        # path (a fixed cost per call that doubled the time of a 100-step scan on
-        # a small buffer).
+        # still this constant, and `.array` adds no check (a conditional and the
+        # record's scalar work in the compiled program).
         zero = _ops.zero_from(arr)
         self._error = zero if zero is not None else np.zeros((), np.float32)
         self._token = zero if zero is not None else new_token()
@@ -284,8 +282,7 @@ class ShiftBuffer(eqx.Module):
                 )
             # With `promise_in_bounds`, as for a window read, no recorded error is
             # raised: inside a loop the record is a traced carry, and its check a
-            # host callback (an effect), which takes the whole program off JAX's
-            # C++ dispatch path (a fixed cost per call).
+            # conditional at every step.
             if mode is None:
                 storage = _ops.raise_deferred(
                     self._storage, self._error, self.batch_shape

@@ -16,7 +16,7 @@ its docstring says what XLA does without it and which test fails if it goes:
 | `pick_by_max` / `window_by_reduce` | duplicates a cheap slice into each consumer, unordered with the next write: a copy; a masked max of the values is not exact |
 | `carrier` | computes bfloat16/float8 selects and writes in float32: NaN payloads and subnormals change |
 | `keep_alive` | removes a check whose result only zero-size values use |
-| `check_on_the_side` | copies the buffer through the check's conditional every step |
+| `check_on_the_side` | copies the buffer through the check's conditional every step; (JAX) a `jax.debug.callback` to keep it takes the program off `jax.jit`'s fast path |
 | `after` | removes a check no output depends on |
 | `invariant` | (JAX, not XLA) `shard_map`'s checks refuse a varying value in Equinox's check |
 | `split_over_devices` | gathers the whole sharded batch to loop over its elements |
@@ -38,9 +38,11 @@ from typing import Any
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-from equinox.internal import unvmap_any, unvmap_max
 from jax import lax
+from jax._src import dispatch
 from jax.core import ShapedArray
+from jax.extend.core import Primitive
+from jax.interpreters import ad, batching, mlir, partial_eval as pe
 
 
 def opaque_zero(x: Any) -> jax.Array:
@@ -351,7 +353,7 @@ def check_on_the_side(error, pred, index, msgs) -> None:
 
     A check whose result is not used is dead code to JAX and XLA (Equinox's check
     is a pure callback in a conditional). So the check runs inside a conditional
-    that also makes an effectful (never dead) callback, taken only when `pred`
+    that also makes a side-effecting (never dead) callback, taken only when `pred`
     holds: in "raise" mode the check raises first, the program stops and returns
     nothing, so no value of the bad buffer is ever seen. The contents need no data
     dependence on the check, so neither a copy nor a write of the storage: a
@@ -360,24 +362,109 @@ def check_on_the_side(error, pred, index, msgs) -> None:
     the storage to make it depend on the check is an in-place write that the next
     edit of the buffer, or returning it from the step, then copies.
 
-    The callback takes the check's result reduced over `jax.vmap`'s batch
-    (`unvmap_max`): one callback for the batch. Batched, the callback runs once
-    per element, on the element sliced out of the batch, which a batch sharded
-    over devices on a mesh with explicit axes refuses (`ShardingTypeError`: a
-    `jax.vmap` of a per-example loss that reads `.array` in its loop).
+    The conditional is the primitive `check_p`, not a `lax.cond` around a
+    `jax.debug.callback`: that callback is a JAX effect, and a jitted program with
+    an effect is dispatched from Python rather than by `jax.jit`'s C++ fast path,
+    about 0.2 ms more per call. `check_p` has no effect in its type; its DCE rule
+    keeps it, and its lowering makes the callback with XLA's side-effect flag.
+
+    `check_p`'s batching rule hands it the whole batch, which its lowering reduces
+    inside the conditional: one callback for the batch. Batched, the callback runs
+    once per element, on the element sliced out of the batch, which a batch
+    sharded over devices on a mesh with explicit axes refuses
+    (`ShardingTypeError`: a `jax.vmap` of a per-example loss that reads `.array`
+    in its loop).
 
     Pinned by `tests/test_corpus.py::test_no_per_iteration_copies` on the
     `kv_cache_attention` body (which reads the whole cache every step), by the
-    tests of `tests/test_errors.py` that a recorded error is raised, and by
+    tests of `tests/test_errors.py` that a recorded error is raised, by
+    `tests/test_errors.py::test_a_checked_read_leaves_the_jit_fast_path_on`, and by
     `tests/test_sharding.py` (the per-example loss).
     """
+    error = lax.stop_gradient(invariant(error))
+    check_p.bind(pred, error, jnp.broadcast_to(index, jnp.shape(pred)), msgs=msgs)
 
+
+def _reduced(pred, error, index):
+    """The check of a batch (all operands of one shape) as one: whether any element
+    fails, the largest record, and the message of the largest failing code."""
+    if jnp.ndim(pred) == 0:
+        return pred, error, index
+    index = jnp.max(jnp.where(pred, index, jnp.zeros_like(index)))
+    return jnp.any(pred), jnp.max(error), index
+
+
+def _check_impl(pred, error, index, *, msgs):
+    # Outside `jax.jit`: raise now, not when some later program runs.
+    pred, error, index = _reduced(pred, error, index)
+    jax.block_until_ready(eqx.branched_error_if(error, pred, index, msgs))
+    return []
+
+
+def _check_abstract(pred, error, index, *, msgs):
+    del pred, error, index, msgs
+    return []
+
+
+def _check_lowered(pred, error, index, *, msgs):
     def check():
-        carrier = invariant(error)
-        checked = eqx.branched_error_if(carrier, pred, index, msgs)
-        jax.debug.callback(_nothing, unvmap_max(lax.stop_gradient(checked)))
+        # The batch is reduced in the branch: only `any` runs when nothing fails.
+        p, e, i = _reduced(pred, error, index)
+        checked = eqx.branched_error_if(e, p, i, msgs)
+        jax.debug.callback(_nothing, checked)
 
-    lax.cond(unvmap_any(pred), check, lambda: None)
+    # Inside a lowering nothing is removed as dead code any more: the callback's
+    # effect is seen by XLA only (a side-effecting custom call, which keeps the
+    # conditional), not by JAX's dispatch.
+    lax.cond(jnp.any(pred), check, lambda: None)
+    return []
+
+
+def _check_jvp(primals, tangents, *, msgs):
+    del tangents  # the record, its code and the predicate are not differentiable
+    check_p.bind(*primals, msgs=msgs)
+    return [], []
+
+
+def _check_batch(args, dims, *, msgs):
+    # All operands take one shape, the batch axes first; the lowering reduces them.
+    size = next(a.shape[d] for a, d in zip(args, dims) if d is not None)
+    args = [
+        jnp.moveaxis(a, d, 0)
+        if d is not None
+        else jnp.broadcast_to(a, (size, *jnp.shape(a)))
+        for a, d in zip(args, dims)
+    ]
+    check_p.bind(*args, msgs=msgs)
+    return [], []
+
+
+def _check_dce(used_outputs, eqn):
+    # No output, and no effect in its type: the default rule would remove it.
+    del used_outputs
+    return [True] * len(eqn.invars), eqn
+
+
+def _check_partial_eval_custom(saveable, unks_in, inst_in, eqn):
+    # Under `jax.checkpoint`: run once, in the forward pass, and not again in the
+    # rematerialised one (as JAX does for effects), unless an operand is unknown.
+    del saveable
+    if any(unks_in):
+        return None, eqn, [], [], [v for v, i in zip(eqn.invars, inst_in) if not i]
+    return eqn, None, [], [], []
+
+
+check_p = Primitive("esb_check")
+check_p.multiple_results = True
+check_p.def_impl(_check_impl)
+check_p.def_abstract_eval(_check_abstract)
+mlir.register_lowering(check_p, mlir.lower_fun(_check_lowered, multiple_results=True))
+ad.primitive_jvps[check_p] = _check_jvp
+batching.primitive_batchers[check_p] = _check_batch
+pe.dce_rules[check_p] = _check_dce
+pe.partial_eval_jaxpr_custom_rules[check_p] = _check_partial_eval_custom
+# Its lowering makes callbacks, which JAX lowers only knowing the devices.
+dispatch.prim_requires_devices_during_lowering.add(check_p)
 
 
 @jax.custom_jvp
