@@ -30,7 +30,6 @@ from ._xla import (
     check_on_the_side,
     from_carrier,
     invariant,
-    keep_alive,
     on_the_operands_mesh,
     to_carrier,
     varying_axes,
@@ -305,7 +304,7 @@ def _raise_traced(
     XLA:CPU about as much as a whole small edit), so there is at most one per call,
     and the branch index still picks the message of the first entry out of range.
     `empty`: the access touches no element, so nothing would use the check
-    (`keep_alive`).
+    threaded into its indices: it runs on the side (`check_on_the_side`).
     """
     if mode not in MODES:
         raise ValueError(f"`mode` must be None or 'promise_in_bounds'; got {mode!r}.")
@@ -326,7 +325,7 @@ def _raise_traced(
             error = lax.stop_gradient(jnp.where(error != 0, error, code))
         return values, error
     bads = [entries[k].bad for k in traced]
-    own = [entries[k].message for k in traced]
+    own = tuple(entries[k].message for k in traced)
     msgs: Sequence[str] = own
     if _may_be_set(error):
         # The recorded error is checked last, its messages after this call's own.
@@ -350,6 +349,12 @@ def _raise_traced(
     for k in reversed(range(last)):
         index = jnp.where(bads[k], jnp.int32(k), index)
     any_bad = functools.reduce(jnp.logical_or, bads)
+    if empty:
+        # The access touches no element: its results are zero-size, which XLA
+        # replaces by constants, so nothing would use indices the check is threaded
+        # into, and the check would be dead code. It runs on the side.
+        check_on_the_side(any_bad.astype(jnp.int32), any_bad, index, msgs)
+        return values, error
     # The check is threaded into this call's indices, so the access waits for it:
     # through one int32 that is 0 whenever the program goes on (`any(bad)` itself),
     # added to each traced index (to every index when none is traced but a recorded
@@ -357,8 +362,6 @@ def _raise_traced(
     # materialise each one as a scalar kernel of its own before it.
     tok = any_bad.astype(jnp.int32)
     tok = eqx.branched_error_if(invariant(tok), any_bad, index, msgs)
-    if empty:
-        keep_alive(tok)
     for k in traced or range(len(values)):
         values[k] = values[k] + tok.astype(jnp.asarray(values[k]).dtype)
     return values, error

@@ -694,7 +694,7 @@ def _define(name: str, impl: Callable, abstract: Callable, n_arrays: int) -> Pri
     # which JAX tells only to the lowerings of primitives it knows to need them.
     # Without this, a sharded batch's accesses are not split over the devices
     # unless some other such primitive (a callback) is in the same program, and XLA
-    # all-gathers the buffers (`tests/test_sharding.py`, promised edits).
+    # all-gathers the buffers (`tests/test_sharding.py`, "edits, unread").
     dispatch.prim_requires_devices_during_lowering.add(p)
     return p
 

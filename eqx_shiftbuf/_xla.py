@@ -15,8 +15,7 @@ its docstring says what XLA does without it and which test fails if it goes:
 | `window2_edit` | the same, for a shift's single-line write |
 | `pick_by_max` / `window_by_reduce` | duplicates a cheap slice into each consumer, unordered with the next write: a copy; a masked max of the values is not exact |
 | `carrier` | computes bfloat16/float8 selects and writes in float32: NaN payloads and subnormals change |
-| `keep_alive` | removes a check whose result only zero-size values use |
-| `check_on_the_side` | copies the buffer through the check's conditional every step; (JAX) a `jax.debug.callback` to keep it takes the program off `jax.jit`'s fast path |
+| `check_on_the_side` | copies the buffer through the check's conditional every step, or removes a check whose result only zero-size values use; (JAX) a `jax.debug.callback` to keep it takes the program off `jax.jit`'s fast path |
 | `after` | removes a check no output depends on |
 | `invariant` | (JAX, not XLA) `shard_map`'s checks refuse a varying value in Equinox's check |
 | `split_over_devices` | gathers the whole sharded batch to loop over its elements |
@@ -302,21 +301,6 @@ def _nothing(*_: Any) -> None:
     pass
 
 
-def keep_alive(checked: jax.Array) -> None:
-    """Make sure the check that computed `checked` runs, though no result uses it.
-
-    An access that touches no element (a zero-size window, or any access of a
-    zero-size buffer) has zero-size results only, and XLA replaces every zero-size
-    value by a constant: the indices that carry the check then have no use, and
-    the check (an `equinox.error_if`, a pure callback) is removed as dead code. A
-    `jax.debug.callback` is an effect, never removed, so the check it takes as an
-    operand runs. It costs a host callback per call, for accesses that do nothing.
-
-    Pinned by `tests/test_zero_size.py::test_traced_index_out_of_range_raises_when_the_program_runs`.
-    """
-    jax.debug.callback(_nothing, checked)
-
-
 def varying_axes(x: Any) -> frozenset:
     """The `shard_map` axes that `x`'s value varies over (empty outside one)."""
     return varying_axes_of_aval(jax.typeof(x))
@@ -378,8 +362,11 @@ def check_on_the_side(error, pred, index, msgs) -> None:
     Pinned by `tests/test_corpus.py::test_no_per_iteration_copies` on the
     `kv_cache_attention` body (which reads the whole cache every step), by the
     tests of `tests/test_errors.py` that a recorded error is raised, by
-    `tests/test_errors.py::test_a_checked_read_leaves_the_jit_fast_path_on`, and by
-    `tests/test_sharding.py` (the per-example loss).
+    `tests/test_errors.py::test_a_checked_read_leaves_the_jit_fast_path_on`, by
+    `tests/test_sharding.py` (the per-example loss), and, for an access that
+    touches no element (whose results XLA replaces by constants, so a check
+    threaded into its indices would be dead code), by
+    `tests/test_zero_size.py::test_traced_index_out_of_range_raises_when_the_program_runs`.
     """
     error = lax.stop_gradient(invariant(error))
     check_p.bind(pred, error, jnp.broadcast_to(index, jnp.shape(pred)), msgs=msgs)
@@ -407,16 +394,18 @@ def _check_abstract(pred, error, index, *, msgs):
 
 
 def _check_lowered(pred, error, index, *, msgs):
+    any_bad = jnp.any(pred)
+
     def check():
         # The batch is reduced in the branch: only `any` runs when nothing fails.
-        p, e, i = _reduced(pred, error, index)
-        checked = eqx.branched_error_if(e, p, i, msgs)
+        _, e, i = _reduced(pred, error, index)
+        checked = eqx.branched_error_if(e, any_bad, i, msgs)
         jax.debug.callback(_nothing, checked)
 
     # Inside a lowering nothing is removed as dead code any more: the callback's
     # effect is seen by XLA only (a side-effecting custom call, which keeps the
     # conditional), not by JAX's dispatch.
-    lax.cond(jnp.any(pred), check, lambda: None)
+    lax.cond(any_bad, check, lambda: None)
     return []
 
 

@@ -174,6 +174,17 @@ def test_traced_index_out_of_range_raises_when_the_program_runs(op_name, row):
         jax.block_until_ready(run(empty_rows(), jnp.int32(row)))
 
 
+@pytest.mark.parametrize("op_name", list(OPS))
+def test_the_check_of_an_access_that_touches_nothing_is_no_jax_effect(op_name):
+    # It is kept on the side (its results are constants to XLA), as the check of a
+    # recorded error is, so `jax.jit` still dispatches the program by its C++ fast
+    # path; the callback is still compiled in.
+    op, _ = OPS[op_name]
+    fn = lambda x, i: contents(op(x, i))
+    assert jax.make_jaxpr(fn)(empty_rows(), jnp.int32(0)).effects == set()
+    assert "callback" in jax.jit(fn).lower(empty_rows(), jnp.int32(0)).as_text()
+
+
 @requires_raise
 @pytest.mark.parametrize("read", ["array", "dynamic_slice", "pop"])
 @pytest.mark.parametrize("op_name", EDITS)
