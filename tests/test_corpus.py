@@ -15,6 +15,11 @@ import eqx_shiftbuf as esb
 from . import corpus, reference
 
 
+# On one xdist worker (`--dist loadgroup`): the tests share compiled programs
+# (the caches below), which another worker would compile again.
+pytestmark = pytest.mark.xdist_group("corpus")
+
+
 ROWS, COLS, STEPS, BATCH = 64, 512, 8, 3
 NAMES = [b.name for b in corpus.BODIES]
 

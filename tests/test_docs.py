@@ -313,7 +313,8 @@ def test_code_blocks_run(page, tmp_path):
         script.write_text("\n\n".join(code for _, code in python_blocks(page)))
         env = dict(
             os.environ,
-            XLA_FLAGS="--xla_force_host_platform_device_count=4",
+            XLA_FLAGS=os.environ.get("XLA_FLAGS", "")
+            + " --xla_force_host_platform_device_count=4",
             PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
         )
         proc = subprocess.run(

@@ -21,6 +21,11 @@ from eqx_shiftbuf import _inspect
 from . import corpus
 
 
+# On one xdist worker (`--dist loadgroup`): the tests share compiled programs
+# (the caches below), which another worker would compile again.
+pytestmark = pytest.mark.xdist_group("in_place")
+
+
 ROWS, COLS, STEPS, K = 64, 512, 8, 16
 MIN_BYTES = ROWS * COLS * 4 // 2
 

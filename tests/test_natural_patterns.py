@@ -18,6 +18,11 @@ import eqx_shiftbuf as esb
 from . import natural, reference
 
 
+# On one xdist worker (`--dist loadgroup`): the tests share compiled programs
+# (the caches below), which another worker would compile again.
+pytestmark = pytest.mark.xdist_group("natural_patterns")
+
+
 # Steps of every scan: enough for XLA to keep the loop (a copy is per iteration,
 # whatever the length).
 STEPS = 12
