@@ -424,7 +424,7 @@ def _positions(line, col, head):
     pos = lax.broadcasted_iota(col.dtype, line.shape, 0)
     if head is None:
         return pos
-    head = _materialised(head.astype(col.dtype))
+    head = _materialised(head.astype(col.dtype), line)
     return jnp.where(pos >= head, pos - head, pos - head + line.shape[0])
 
 
@@ -432,7 +432,7 @@ def _shift_right(line, col, v, head=None):
     """`line` with `v` inserted at logical position `col` (axis 0), its last
     element dropped. `jnp.roll` wraps, so in a ring (`head`) the element at the
     head's left, logically last, is the one overwritten."""
-    col = _materialised(col)
+    col, v = _materialised(col, line), _materialised(v, line)
     pos = _positions(line, col, head)
     return jnp.where(pos < col, line, jnp.where(pos == col, v, jnp.roll(line, 1, 0)))
 
@@ -440,7 +440,7 @@ def _shift_right(line, col, v, head=None):
 def _shift_left(line, col, fill, head=None):
     """`line` with the element at logical position `col` (axis 0) removed, `fill`
     added at the (logical) end."""
-    col = _materialised(col)
+    col = _materialised(col, line)
     pos = _positions(line, col, head)
     fillv = jnp.asarray(fill, line.dtype)
     last = line.shape[0] - 1
@@ -538,17 +538,34 @@ def _physical(col, head, n: int):
     return jnp.where(p >= n, p - n, p)
 
 
-def _materialised(x):
-    """`x`, read through a reduction, which XLA computes once, on its own.
+# The least number of elements of a line whose shift reads its scalars and value
+# through a reduction (`_materialised`).
+MATERIALISE_FROM = 2048
+
+
+def _materialised(x, line):
+    """`x`, for the shift of `line`: read through a reduction, which XLA computes
+    once, on its own, if `line` has at least `MATERIALISE_FROM` elements.
 
     A shift is one `select` over its line; XLA:CPU fuses into it whatever computes
     its scalars and its inserted value, and recomputes them for every element of
     the line (an `optimization_barrier` does not stop it: XLA drops barriers
-    before it fuses). A reduction is not fused into its consumers.
+    before it fuses). A traced insert of `sin(...)` into a (256, 64) ring took
+    0.45 ms a step, where the select itself takes 0.01 ms. A reduction is not
+    fused into its consumers, but it is a kernel of its own, about 1 us on
+    XLA:CPU: on shorter lines (the 2-line window of a buffer of 500 columns, a
+    stack of 64 x 8) it cost more than it saved (the corpus's insert bodies, up
+    to 2x slower forward).
+
+    Pinned by `tests/test_in_place.py::test_a_long_line_shift_computes_its_value_once`.
     """
     x = jnp.asarray(x)
-    if x.size == 0 or jnp.issubdtype(x.dtype, jnp.complexfloating):
-        return x  # (no unsigned type of a complex's width to take its bits as)
+    if (
+        line.size < MATERIALISE_FROM
+        or x.size == 0
+        or jnp.issubdtype(x.dtype, jnp.complexfloating)  # (no unsigned type as wide)
+    ):
+        return x
     return pick_by_max(jnp.stack([x, x]), opaque_zero(x), 0)[0]
 
 
@@ -560,13 +577,6 @@ def _insert_impl(storage, tok, value, *idx, axis, ordered, nbatch=0):
     # A shift is a `select` of every element of its line: moved as bits (see
     # `carrier`), or XLA:CPU drops the NaN payloads of bfloat16 and float8 lines.
     dtype, storage, value = storage.dtype, to_carrier(storage), to_carrier(value)
-    # The value materialised first, as a reduction (`pick_by_max`; XLA drops an
-    # `optimization_barrier` before fusing): XLA:CPU otherwise fuses its
-    # computation (a `sin` of the step's input, say) into the line's `select`,
-    # which broadcasts it along the line, and so recomputes it for every element
-    # of the line (a traced insert into a (256, 64) ring: 0.45 ms a step, where
-    # the select itself takes 0.01 ms).
-    value = _materialised(value)
     value, heads = _flat(value, bshape), _heads(head, bshape)
     new_line = lambda j, line, col: _shift_right(line, col, _take(value, j), heads(j))
     storage = _shift(storage, tok, idx, axis, new_line, ordered)[0]
