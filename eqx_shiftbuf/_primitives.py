@@ -549,11 +549,11 @@ def _materialised(x, line):
 
     A shift is one `select` over its line; XLA:CPU fuses into it whatever computes
     its scalars and its inserted value, and recomputes them for every element of
-    the line (an `optimization_barrier` does not stop it: XLA drops barriers
-    before it fuses). A traced insert of `sin(...)` into a (256, 64) ring took
-    0.45 ms a step, where the select itself takes 0.01 ms. A reduction is not
-    fused into its consumers, but it is a kernel of its own, about 1 us on
-    XLA:CPU: on shorter lines (the 2-line window of a buffer of 500 columns, a
+    the line (an `optimization_barrier` on the value did not stop it: the `sin`
+    stayed in the select's fusion). A traced insert of `sin(...)` into a (256,
+    64) ring took 0.45 ms a step, where the select itself takes 0.01 ms. A
+    reduction is not fused into its consumers, but it is a kernel of its own,
+    about 1 us on XLA:CPU: on shorter lines (the 2-line window of a buffer of 500 columns, a
     stack of 64 x 8) it cost more than it saved (the corpus's insert bodies, up
     to 2x slower forward).
 
