@@ -553,9 +553,9 @@ def _materialised(x, line):
     stayed in the select's fusion). A traced insert of `sin(...)` into a (256,
     64) ring took 0.45 ms a step, where the select itself takes 0.01 ms. A
     reduction is not fused into its consumers, but it is a kernel of its own,
-    about 1 us on XLA:CPU: on shorter lines (the 2-line window of a buffer of 500 columns, a
-    stack of 64 x 8) it cost more than it saved (the corpus's insert bodies, up
-    to 2x slower forward).
+    about 1 us on XLA:CPU: on shorter lines (the 2-line window of a buffer of 500
+    columns, a stack of 64 x 8) it cost more than it saved (the corpus's insert
+    bodies, up to 2x slower forward).
 
     Pinned by `tests/test_in_place.py::test_a_long_line_shift_computes_its_value_once`.
     """

@@ -331,14 +331,13 @@ def test_batched_insert_pop_has_no_per_iteration_copies(mode):
 
 
 def _fusions_writing(hlo: str, shape: str) -> list[str]:
-    """The fused computations of `hlo` (compiled HLO text) whose root has `shape`
-    (e.g. `f32[256,64]`)."""
-    comps = re.split(r"\n(?=%\S+ \()", hlo)
+    """The text of each fused computation of `hlo` (compiled HLO text) whose root
+    has `shape` (e.g. `f32[256,64]`)."""
+    root = re.compile(r"ROOT %\S+ = " + re.escape(shape) + r"[{ ]")
     return [
-        c
-        for c in comps
-        if c.startswith("%fused")
-        and re.search(r"ROOT %\S+ = " + re.escape(shape) + r"[{ ]", c)
+        "\n".join(lines)
+        for name, lines in _inspect._parse(hlo).items()
+        if name.startswith("fused") and any(root.match(line) for line in lines)
     ]
 
 
