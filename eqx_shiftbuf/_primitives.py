@@ -851,10 +851,12 @@ def _rotate_impl(x, shift, *, axis):
     # Moved as bits (see `carrier`): a gather of bfloat16 or float8 on XLA:CPU
     # drops NaN payloads.
     out = jnp.take_along_axis(to_carrier(x), pos, axis=axis, mode="promise_in_bounds")
-    # Materialised: XLA:CPU fuses a gather into its consumers, and a reduction
-    # that reads its input through the gather's index arithmetic is not vectorised
-    # (a delay line's whole-window read and sum, 1.2-1.3x plain `lax`'s shift and
-    # sum; with the barrier, 0.84x).
+    # Behind a barrier, XLA:CPU keeps the gather's result as it is for its
+    # consumer: a delay line's whole-window read and sum then reduces a (K, D)
+    # array, where without it the reduction was of the gather's (K, 1, D) output,
+    # over three dimensions (the gather is its own fusion either way). Measured,
+    # not explained further: `benchmarks/patterns.py`'s `delay_whole` forward,
+    # 1.26-1.33x plain `lax`'s shift and sum without the barrier, 0.80-0.92x with.
     out = lax.optimization_barrier(out)
     return from_carrier(out, x.dtype)
 
