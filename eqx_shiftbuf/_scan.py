@@ -17,7 +17,10 @@ Carry leaves have roles (`_writeonce`): `NORMAL` leaves are stored at checkpoint
 `BUFFER` leaves (write-once buffers named in `buffers=`, and their records of writes)
 are not: the JVP hands their final values to `scan_lin_p`, and rerun steps see
 those, as in Equinox; `CHECKING` leaves (the checked mode's write count and
-phase) are zero in reruns, which turns the checks off.
+phase) are zero in reruns, which turns the checks off. The JVP makes a `NORMAL` leaf
+`TAPED` where it is a `ShiftBuffer`'s storage that the step only edits and reads
+through the buffer primitives (`_tape`): not stored either, its reads are recorded
+by the forward pass and replayed in reruns, where the leaf is zero.
 
 `jax.custom_vjp` would have been shorter but cannot be differentiated in forward
 mode (Equinox's checkpointed loops have that limit, equinox#927); a primitive pair
@@ -43,6 +46,7 @@ from jax._src.interpreters import partial_eval as pe
 from jax.extend.core import ClosedJaxpr, jaxpr_as_fun, Primitive
 from jax.interpreters import ad, batching, mlir
 
+from . import _tape
 from ._schedule import schedule
 from ._writeonce import BUFFER, NORMAL, wrap, WriteOnceBuffer
 from ._xla import after
@@ -273,16 +277,42 @@ def _scan_jvp(
     if all(type(t) is ad.Zero for t in tangents):
         out = scan_p.bind(*primals, save=False, **params)
         return out, [ad.Zero(a.to_tangent_aval()) for a in out_avals]
-    outs = scan_p.bind(*primals, save=True, **params)
+    tangents = list(tangents)
+    plan = _tape.plan(
+        jaxpr, num_consts, num_carry, roles, length=length, checkpoints=checkpoints
+    )
+    if plan is None:
+        outs = scan_p.bind(*primals, save=True, **params)
+        lin_jaxpr, lin_extra, tapes = jaxpr, [], []
+    else:
+        # Buffers reached only by edits are not stored: the forward pass records
+        # what their accesses return, and rerun steps replay it (`_tape`).
+        rec, rec_extra = plan.recording(jaxpr)
+        lin_jaxpr, lin_extra = plan.replaying(jaxpr)
+        params["roles"] = plan.roles
+        outs = scan_p.bind(
+            *rec_extra,
+            *primals,
+            save=True,
+            **{**params, "jaxpr": rec, "num_consts": len(rec_extra) + num_consts},
+        )
     n_out = len(out_avals)
-    primal_out, snaps = outs[:n_out], outs[n_out:]
+    primal_out = outs[:n_out]
+    tapes = outs[n_out : n_out + len(plan.taped)] if plan is not None else []
+    snaps = outs[n_out + len(tapes) :]
     # Buffers are not stored: rerun steps see their final values.
     finals = [c for c, r in zip(primal_out[:num_carry], roles) if r == BUFFER]
-    in_avals = [_aval(p) for p in primals]
+    # The tape is a per-step input of the rerun steps, after the `xs`; constants
+    # made by tracing the replaying body (if any) come before the scan's own.
+    lin_primals = [*lin_extra, *primals, *tapes]
+    tangents = [ad.Zero(_aval(e).to_tangent_aval()) for e in lin_extra] + tangents
+    tangents += [ad.Zero(_aval(t).to_tangent_aval()) for t in tapes]
+    in_avals = [_aval(p) for p in lin_primals]
     tangents_in = [
         ad.instantiate_zeros(t) for t, a in zip(tangents, in_avals) if _inexact(a)
     ]
-    tangent_out = scan_lin_p.bind(*primals, *snaps, *finals, *tangents_in, **params)
+    params.update(jaxpr=lin_jaxpr, num_consts=len(lin_extra) + num_consts)
+    tangent_out = scan_lin_p.bind(*lin_primals, *snaps, *finals, *tangents_in, **params)
     tangent_out = iter(tangent_out)
     out_tangents = [
         next(tangent_out) if _inexact(a) else ad.Zero(a.to_tangent_aval())
@@ -467,7 +497,8 @@ def _reverse_pass(
 
     def with_finals(stored):
         # A rerun step sees the stored leaves, the buffers' final values, and the
-        # checked mode's phase zero: off (the final buffers are all written).
+        # checked mode's phase zero: off (the final buffers are all written). A
+        # taped leaf is zero too: what the step reads of it is replayed.
         it_s, it_f = iter(stored), iter(finals)
         out = []
         for r, a in zip(roles, carry_avals):

@@ -17,6 +17,7 @@ from ._buffer import ShiftBuffer
 NORMAL = 0  # stored at checkpoints, reloaded when steps are rerun
 BUFFER = 1  # never stored: a rerun step sees the buffer's final value
 CHECKING = 2  # the checked mode's count and phase: zero (off) while steps are rerun
+TAPED = 3  # a buffer only edited: never stored, its reads replayed in reruns (`_tape`)
 
 # Phases of the checked mode (`_Writes.phase`). `esb.scan(check=True)` runs its
 # steps in RECORD, then once more in REPLAY (see `WriteOnceBuffer`); the reverse

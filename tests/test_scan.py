@@ -420,6 +420,97 @@ def test_a_buffer_the_reverse_pass_does_not_read_is_not_stored(name):
     assert re.search(rf"f64\[\d+,{shape[0]},{shape[1]}\]", hlo) is None
 
 
+def _two_buffer_loss(scan):
+    """Two ShiftBuffers and a float carry: `a` only edited and read (window,
+    pop), its reads used nonlinearly; `b` also summed whole (a use other than an
+    edit); an int32 buffer `n` of counts, edited and read."""
+
+    def loss(p, a0, b0, xs, rows, cols):
+        def body(carry, inp):
+            a, b, n, h = carry
+            x, r, c = inp
+            a, w = a.read((r, 0), (1, 3))
+            a = a.insert((r, c), jnp.sin(p * x + w.sum()))
+            a, out = a.pop((r, (c + 3) % a.capacity))
+            b = b.dynamic_update_slice(jnp.tanh(h * out)[None, None], (r, 0))
+            n = n.insert((0, c), r)
+            n, k = n.pop((0, (c + 1) % n.capacity))
+            h = jnp.cos(h + out * b.array.sum() * 1e-3 + k)
+            return (a, b, n, h), out**2
+
+        n0 = esb.ShiftBuffer.from_array(jnp.zeros((1, a0.shape[1]), jnp.int32))
+        init = (esb.ShiftBuffer.from_array(a0), esb.ShiftBuffer.from_array(b0), n0, p)
+        (a, b, _, h), ys = scan(body, init, (xs, rows, cols))
+        return (a.array**2).sum() + (b.array**3).sum() + ys.sum() + h
+
+    return loss
+
+
+@pytest.mark.parametrize("name", ["ckpt-1", "ckpt-3", "ckpt-reverse-unroll"])
+def test_a_buffer_carry_only_edited_is_replayed_exactly(name):
+    # `a` and `n` are not stored at checkpoints: rerun steps replay what their
+    # accesses returned in the forward pass (`_tape`). `b` is stored.
+    p, a0, xs, rows, cols = _buffer_args(length=23, shape=(5, 7))
+    b0 = jnp.asarray(np.random.default_rng(8).normal(size=(5, 2)))
+    args = (p, a0, b0, xs, rows, cols)
+    grad = lambda scan: jax.jit(
+        jax.value_and_grad(_two_buffer_loss(scan), argnums=(0, 1, 2, 3))
+    )(*args)
+    _close(grad(SCANS[name]), grad(_reference(name)))
+
+
+@pytest.mark.parametrize("order", ["fwd-over-rev", "rev-over-fwd"])
+def test_a_buffer_carry_only_edited_has_exact_second_derivatives(order):
+    # Forward over reverse reruns steps with the tape's tangents (and a stand-in
+    # storage); reverse over forward differentiates the tape's values.
+    p, a0, xs, rows, cols = _buffer_args(length=11, shape=(4, 6))
+    b0 = jnp.asarray(np.random.default_rng(9).normal(size=(4, 2)))
+
+    def second(scan):
+        loss = lambda p, a0: _two_buffer_loss(scan)(p, a0, b0, xs, rows, cols)
+        if order == "fwd-over-rev":
+            g = jax.grad(loss, argnums=(0, 1))
+            return jax.jvp(g, (p, a0), (0.3, a0))
+        jvp = lambda p, a0: jax.jvp(loss, (p, a0), (0.3, a0))[1]
+        return jax.grad(jvp, argnums=(0, 1))(p, a0)
+
+    _close(jax.jit(second, static_argnums=0)(SCANS["ckpt-3"]), second(lax.scan))
+
+
+def _edit_only_temp_bytes(checkpoints: int, whole_read: bool) -> int:
+    def loss(p, init, xs, rows, cols):
+        def body(buf, inp):
+            x, r, c = inp
+            buf = buf.insert((r, c), jnp.sin(p * x))
+            buf, out = buf.pop((r, (c + 3) % buf.capacity))
+            if whole_read:  # a use other than an edit: the buffer is stored
+                out = out + buf.array.sum()
+            return buf, jnp.cos(out)
+
+        buf, ys = esb.scan(
+            body, esb.ShiftBuffer.from_array(init), (xs, rows, cols),
+            checkpoints=checkpoints,
+        )  # fmt: skip
+        return (buf.array**2).sum() + ys.sum()
+
+    args = _buffer_args(length=256, shape=(64, 256))
+    compiled = jax.jit(jax.grad(loss)).lower(*args).compile()
+    return compiled.memory_analysis().temp_size_in_bytes
+
+
+def test_a_buffer_carry_only_edited_is_not_stored_at_checkpoints():
+    buffer_bytes = 64 * 256 * 8
+    # 24 more checkpoints: 24 more small carries (a few scalars), no buffer.
+    assert _edit_only_temp_bytes(32, False) - _edit_only_temp_bytes(8, False) < (
+        buffer_bytes // 4
+    )
+    # The control: summed whole, the buffer is stored at every checkpoint.
+    assert (
+        _edit_only_temp_bytes(32, True) - _edit_only_temp_bytes(8, True)
+        >= 24 * buffer_bytes
+    )
+
+
 # ---------------------------------------------------------------------------
 # Memory.
 

@@ -1,0 +1,211 @@
+"""Carry leaves the checkpointed scan need not store: buffers reached only by edits.
+
+`esb.scan(kind="checkpointed")` stores carries at checkpoints and its reverse pass
+reloads one before every reversed step: O(carry) per step, however small the step's
+edits. A `ShiftBuffer`'s storage needs neither. Every buffer primitive is affine in
+the storage (`_primitives`: its JVP is the primitive on the tangents, its transpose
+needs only the indices), so the reverse pass needs the storage's *values* only
+where the step reads them: the windows, popped values and tokens the primitives
+return. Those are O(window) a step.
+
+So, for a carry leaf whose every use in the body is as the storage operand of a
+buffer primitive, in a chain of such primitives that ends in the leaf's new value,
+and whose tape takes no more memory than its stored copies would (`plan`):
+
+- the forward pass runs the body's *recording* form, which also returns, as extra
+  per-step outputs (a tape), every other output of those primitives;
+- rerun and reversed steps run its *replaying* form, which takes one step's tape
+  as extra inputs and uses those values in place of what the primitives return
+  (with the primitives' own tangents: `_replayed`), so the storage's values are
+  dead code there, and the scan passes zeros for the leaf, which XLA removes.
+
+With the true tape the replaying body computes exactly what the body computes.
+Leaves with any other use (a reduction of the whole storage, an edit inside a
+`lax.cond` or a `jax.jit`) are stored as before.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import operator
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax._src import core as jcore, source_info_util
+from jax.custom_derivatives import SymbolicZero
+from jax.extend.core import ClosedJaxpr, Literal
+
+from ._primitives import accum_p, insert_p, pop_p, read_p, rotate_p, swap_p
+from ._writeonce import NORMAL, TAPED
+
+
+# Primitives whose operand 0 is a buffer's storage and output 0 its new value.
+_EDITS = (read_p, accum_p, swap_p, insert_p, pop_p)
+# Whose operand 0 may be the storage and whose output is a read of it.
+_READS = (rotate_p,)
+
+
+@jax.custom_jvp
+def _replayed(value, recorded):
+    """`recorded`, what the primitive returned in the forward pass, in place of
+    `value`, what it returns now (from a storage that may be a stand-in)."""
+    del value
+    return recorded
+
+
+@functools.partial(_replayed.defjvp, symbolic_zeros=True)
+def _replayed_jvp(primals, tangents):
+    """The tangent of either: of `value` where the storage's tangent is what is
+    being differentiated (a reversed step, forward mode), of `recorded` where the
+    tape's is (the steps that forward-over-reverse mode reruns, with zeros for the
+    storage). Never both at once: the tape has no tangent where the storage has
+    one (`_scan._scan_jvp` gives it zeros), and the stand-in storage has none."""
+    _, recorded = primals
+    ts = [t for t in tangents if type(t) is not SymbolicZero]
+    if not ts:
+        return recorded, SymbolicZero(jax.typeof(recorded).to_tangent_aval())
+    return recorded, functools.reduce(operator.add, ts)
+
+
+def _replay(value, recorded):
+    if jnp.issubdtype(recorded.dtype, jnp.inexact):
+        return _replayed(value, recorded)
+    return recorded
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """Which carry leaves are taped (`roles`, with `TAPED`) and the variables of
+    the body whose values the tape holds, in the body's order."""
+
+    roles: tuple[int, ...]
+    taped: tuple[Any, ...]
+
+    def recording(self, jaxpr: ClosedJaxpr) -> tuple[ClosedJaxpr, list]:
+        """`(*consts, *carry, *x) -> (*carry, *y, *tape)`, with its new leading
+        constants."""
+        from ._scan import _trace
+
+        def fn(*args):
+            env = _eval(jaxpr, args, {})
+            return _outs(jaxpr, env) + [env[v] for v in self.taped]
+
+        return _trace(fn, list(jaxpr.in_avals), "esb.scan (recording)")
+
+    def replaying(self, jaxpr: ClosedJaxpr) -> tuple[ClosedJaxpr, list]:
+        """`(*consts, *carry, *x, *tape) -> (*carry, *y)`, with its new leading
+        constants."""
+        from ._scan import _trace
+
+        n = len(jaxpr.in_avals)
+
+        def fn(*args):
+            tape = dict(zip(self.taped, args[n:]))
+            return _outs(jaxpr, _eval(jaxpr, args[:n], tape))
+
+        avals = list(jaxpr.in_avals) + [v.aval for v in self.taped]
+        return _trace(fn, avals, "esb.scan (replaying)")
+
+
+def _eval(jaxpr: ClosedJaxpr, args: Sequence, tape: dict) -> dict:
+    """`jax.core.eval_jaxpr`, with the variables in `tape` replaced by its values."""
+    env: dict = dict(zip(jaxpr.jaxpr.constvars, jaxpr.consts))
+    env.update(zip(jaxpr.jaxpr.invars, args))
+    read = lambda v: v.val if isinstance(v, Literal) else env[v]
+    for eqn in jaxpr.jaxpr.eqns:
+        params = eqn.primitive.get_bind_params(eqn.params)
+        name_stack = source_info_util.current_name_stack() + eqn.source_info.name_stack
+        with (
+            source_info_util.user_context(
+                eqn.source_info.traceback, name_stack=name_stack
+            ),
+            eqn.ctx.manager,
+        ):
+            ans = eqn.primitive.bind(*map(read, eqn.invars), **params)
+        ans = ans if eqn.primitive.multiple_results else [ans]
+        for v, a in zip(eqn.outvars, ans):
+            if isinstance(v, jcore.DropVar):
+                continue
+            env[v] = _replay(a, tape[v]) if v in tape else a
+    return env
+
+
+def _outs(jaxpr: ClosedJaxpr, env: dict) -> list:
+    return [v.val if isinstance(v, Literal) else env[v] for v in jaxpr.jaxpr.outvars]
+
+
+def _chain(jaxpr, k: int, num_consts: int, num_carry: int, used: set):
+    """The variables `_replaying` must tape for carry leaf `k`, or None if the leaf
+    has a use other than as the storage of a chain of buffer primitives that ends
+    in its new value."""
+    inner = jaxpr.jaxpr
+    storage = {inner.invars[num_consts + k]}
+    taped = []
+    for eqn in inner.eqns:
+        touched = [isinstance(v, jcore.Var) and v in storage for v in eqn.invars]
+        if not any(touched):
+            continue
+        if any(touched[1:]) or not touched[0]:
+            return None
+        if eqn.primitive in _EDITS:
+            new, others = eqn.outvars[0], eqn.outvars[1:]
+            if not isinstance(new, jcore.DropVar):
+                storage.add(new)
+        elif eqn.primitive in _READS:
+            others = eqn.outvars
+        else:
+            return None
+        taped += [v for v in others if not isinstance(v, jcore.DropVar) and v in used]
+    outs = inner.outvars
+    if not (isinstance(outs[k], jcore.Var) and outs[k] in storage):
+        return None
+    if any(
+        isinstance(v, jcore.Var) and v in storage for j, v in enumerate(outs) if j != k
+    ):
+        return None
+    return taped
+
+
+def _bytes(avals) -> int:
+    return sum(math.prod(a.shape) * a.dtype.itemsize for a in avals)
+
+
+def plan(
+    jaxpr: ClosedJaxpr,
+    num_consts: int,
+    num_carry: int,
+    roles: Sequence[int],
+    *,
+    length: int,
+    checkpoints: int,
+):
+    """The `Plan` for a scan body of `length` steps with `checkpoints` slots, or
+    None when no carry leaf is taped.
+
+    Only `NORMAL` leaves (stored at checkpoints) are candidates, and a leaf is taped
+    only where its tape (`length` steps of what its accesses return) takes no more
+    memory than storing it at the checkpoints would: a step that reads a large part
+    of its buffer (an attention over a whole cache) is better served by storing the
+    buffer. The tape is faster wherever it is taken: a step's tape is smaller than
+    the buffer, which every reversed step would otherwise reload."""
+    inner = jaxpr.jaxpr
+    used = {v for e in inner.eqns for v in e.invars if isinstance(v, jcore.Var)}
+    used |= {v for v in inner.outvars if isinstance(v, jcore.Var)}
+    new_roles, taped = list(roles), []
+    for k, r in enumerate(roles):
+        if r != NORMAL:
+            continue
+        chain = _chain(jaxpr, k, num_consts, num_carry, used)
+        stored = checkpoints * _bytes([inner.invars[num_consts + k].aval])
+        if chain is not None and length * _bytes(v.aval for v in chain) <= stored:
+            new_roles[k] = TAPED
+            taped += chain
+    if not any(r == TAPED for r in new_roles):
+        return None
+    # In the body's order, once each (two leaves' chains cannot share a variable).
+    order = {v: i for i, v in enumerate(v for e in inner.eqns for v in e.outvars)}
+    return Plan(tuple(new_roles), tuple(sorted(set(taped), key=order.__getitem__)))
