@@ -768,6 +768,13 @@ def scan(
       included: an int >= 1, `"all"` (every step: nothing is rerun), or `None`, the
       least `c` with `length < (c+1)(c+2)/2` (about `sqrt(2 * length)`, as
       `equinox.internal.scan`), for which every step is rerun at most twice.
+      A [`eqx_shiftbuf.ShiftBuffer`][] in the carry that the step only edits and
+      reads windows of (its methods, or the free functions) is not stored: the
+      forward pass records what its accesses return, O(window) a step, and the
+      reverse pass replays that, so no step loads or stores the whole buffer.
+      This is chosen per buffer when the record takes no more memory than storing
+      the buffer at the checkpoints; a buffer also used otherwise (`buf.array`)
+      is stored.
     - `buffers`: as in `equinox.internal.scan`: a function from `init` to the array
       leaves (one, or a sequence) of the carry that are *write-once* buffers: each
       position written at most once, and read only after it is written (or never
