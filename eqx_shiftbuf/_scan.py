@@ -287,8 +287,8 @@ def _scan_jvp(
     else:
         # Buffers reached only by edits are not stored: the forward pass records
         # what their accesses return, and rerun steps replay it (`_tape`).
-        rec, rec_extra = plan.recording(jaxpr)
-        lin_jaxpr, lin_extra = plan.replaying(jaxpr)
+        rec, rec_extra = plan.recording()
+        lin_jaxpr, lin_extra = plan.replaying()
         params["roles"] = plan.roles
         outs = scan_p.bind(
             *rec_extra,

@@ -35,7 +35,9 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-from jax._src import core as jcore, source_info_util
+from jax._src import api_util, core as jcore, linear_util as lu, source_info_util
+from jax._src.interpreters import partial_eval as pe
+from jax._src.pjit import jit_p
 from jax.custom_derivatives import SymbolicZero
 from jax.extend.core import ClosedJaxpr, Literal
 
@@ -79,16 +81,20 @@ def _replay(value, recorded):
 
 @dataclasses.dataclass(frozen=True)
 class Plan:
-    """Which carry leaves are taped (`roles`, with `TAPED`) and the variables of
-    the body whose values the tape holds, in the body's order."""
+    """Which carry leaves are taped (`roles`, with `TAPED`), the body (its
+    `jax.jit` calls put in line where one held a buffer access), and its
+    variables whose values the tape holds, in the body's order."""
 
     roles: tuple[int, ...]
+    jaxpr: ClosedJaxpr
     taped: tuple[Any, ...]
 
-    def recording(self, jaxpr: ClosedJaxpr) -> tuple[ClosedJaxpr, list]:
+    def recording(self) -> tuple[ClosedJaxpr, list]:
         """`(*consts, *carry, *x) -> (*carry, *y, *tape)`, with its new leading
         constants."""
         from ._scan import _trace
+
+        jaxpr = self.jaxpr
 
         def fn(*args):
             env = _eval(jaxpr, args, {})
@@ -96,12 +102,12 @@ class Plan:
 
         return _trace(fn, list(jaxpr.in_avals), "esb.scan (recording)")
 
-    def replaying(self, jaxpr: ClosedJaxpr) -> tuple[ClosedJaxpr, list]:
+    def replaying(self) -> tuple[ClosedJaxpr, list]:
         """`(*consts, *carry, *x, *tape) -> (*carry, *y)`, with its new leading
         constants."""
         from ._scan import _trace
 
-        n = len(jaxpr.in_avals)
+        jaxpr, n = self.jaxpr, len(self.jaxpr.in_avals)
 
         def fn(*args):
             tape = dict(zip(self.taped, args[n:]))
@@ -111,12 +117,32 @@ class Plan:
         return _trace(fn, avals, "esb.scan (replaying)")
 
 
-def _eval(jaxpr: ClosedJaxpr, args: Sequence, tape: dict) -> dict:
-    """`jax.core.eval_jaxpr`, with the variables in `tape` replaced by its values."""
+def _inlined(jaxpr: ClosedJaxpr) -> ClosedJaxpr:
+    """`jaxpr` with the bodies of its `jax.jit` calls in line (same inputs and
+    outputs): a method of a `ShiftBuffer` called inside a jitted function (an
+    `eqx.filter_jit` model) is then an access of the body itself."""
+
+    def fn(*args):
+        return _outs(jaxpr, _eval(jaxpr, args, {}, inline=True))
+
+    avals = list(jaxpr.in_avals)
+    dbg = api_util.debug_info("esb.scan (inlined)", fn, tuple(avals), {})
+    new, _, consts = pe.trace_to_jaxpr_dynamic(lu.wrap_init(fn, debug_info=dbg), avals)
+    return ClosedJaxpr(new, consts)
+
+
+def _eval(jaxpr: ClosedJaxpr, args: Sequence, tape: dict, inline=False) -> dict:
+    """`jax.core.eval_jaxpr`, with the variables in `tape` replaced by its values;
+    with `inline`, the bodies of `jax.jit` calls evaluated in line."""
     env: dict = dict(zip(jaxpr.jaxpr.constvars, jaxpr.consts))
     env.update(zip(jaxpr.jaxpr.invars, args))
     read = lambda v: v.val if isinstance(v, Literal) else env[v]
     for eqn in jaxpr.jaxpr.eqns:
+        if inline and eqn.primitive is jit_p:
+            callee = eqn.params["jaxpr"]
+            inner = _eval(callee, list(map(read, eqn.invars)), {}, inline=True)
+            env.update(zip(eqn.outvars, _outs(callee, inner)))
+            continue
         params = eqn.primitive.get_bind_params(eqn.params)
         name_stack = source_info_util.current_name_stack() + eqn.source_info.name_stack
         with (
@@ -138,10 +164,14 @@ def _outs(jaxpr: ClosedJaxpr, env: dict) -> list:
     return [v.val if isinstance(v, Literal) else env[v] for v in jaxpr.jaxpr.outvars]
 
 
+_CALL = "call"
+
+
 def _chain(jaxpr, k: int, num_consts: int, num_carry: int, used: set):
-    """The variables `_replaying` must tape for carry leaf `k`, or None if the leaf
+    """The variables `_replaying` must tape for carry leaf `k`; None if the leaf
     has a use other than as the storage of a chain of buffer primitives that ends
-    in its new value."""
+    in its new value; `_CALL` if it is an operand of a `jax.jit` call (whose body
+    `_inlined` puts in line)."""
     inner = jaxpr.jaxpr
     storage = {inner.invars[num_consts + k]}
     taped = []
@@ -149,6 +179,8 @@ def _chain(jaxpr, k: int, num_consts: int, num_carry: int, used: set):
         touched = [isinstance(v, jcore.Var) and v in storage for v in eqn.invars]
         if not any(touched):
             continue
+        if eqn.primitive is jit_p:
+            return _CALL
         if any(touched[1:]) or not touched[0]:
             return None
         if eqn.primitive in _EDITS:
@@ -158,7 +190,7 @@ def _chain(jaxpr, k: int, num_consts: int, num_carry: int, used: set):
         elif eqn.primitive in _READS:
             others = eqn.outvars
         else:
-            return None
+            return _CALL if eqn.primitive is jit_p else None
         taped += [v for v in others if not isinstance(v, jcore.DropVar) and v in used]
     outs = inner.outvars
     if not (isinstance(outs[k], jcore.Var) and outs[k] in storage):
@@ -192,20 +224,33 @@ def plan(
     of its buffer (an attention over a whole cache) is better served by storing the
     buffer. The tape is faster wherever it is taken: a step's tape is smaller than
     the buffer, which every reversed step would otherwise reload."""
+    chains = _chains(jaxpr, num_consts, num_carry, roles)
+    if _CALL in chains:
+        jaxpr = _inlined(jaxpr)
+        chains = _chains(jaxpr, num_consts, num_carry, roles)
     inner = jaxpr.jaxpr
-    used = {v for e in inner.eqns for v in e.invars if isinstance(v, jcore.Var)}
-    used |= {v for v in inner.outvars if isinstance(v, jcore.Var)}
     new_roles, taped = list(roles), []
-    for k, r in enumerate(roles):
-        if r != NORMAL:
+    for k, chain in enumerate(chains):
+        if chain is None or chain is _CALL:
             continue
-        chain = _chain(jaxpr, k, num_consts, num_carry, used)
         stored = checkpoints * _bytes([inner.invars[num_consts + k].aval])
-        if chain is not None and length * _bytes(v.aval for v in chain) <= stored:
+        if length * _bytes(v.aval for v in chain) <= stored:
             new_roles[k] = TAPED
             taped += chain
     if not any(r == TAPED for r in new_roles):
         return None
     # In the body's order, once each (two leaves' chains cannot share a variable).
     order = {v: i for i, v in enumerate(v for e in inner.eqns for v in e.outvars)}
-    return Plan(tuple(new_roles), tuple(sorted(set(taped), key=order.__getitem__)))
+    taped = tuple(sorted(set(taped), key=order.__getitem__))
+    return Plan(tuple(new_roles), jaxpr, taped)
+
+
+def _chains(jaxpr: ClosedJaxpr, num_consts: int, num_carry: int, roles) -> list:
+    """`_chain` of each `NORMAL` carry leaf (None for the others)."""
+    inner = jaxpr.jaxpr
+    used = {v for e in inner.eqns for v in e.invars if isinstance(v, jcore.Var)}
+    used |= {v for v in inner.outvars if isinstance(v, jcore.Var)}
+    return [
+        _chain(jaxpr, k, num_consts, num_carry, used) if r == NORMAL else None
+        for k, r in enumerate(roles)
+    ]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import re
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -477,38 +478,57 @@ def test_a_buffer_carry_only_edited_has_exact_second_derivatives(order):
     _close(jax.jit(second, static_argnums=0)(SCANS["ckpt-3"]), second(lax.scan))
 
 
-def _edit_only_temp_bytes(checkpoints: int, whole_read: bool) -> int:
+def _edits(p, buf, x, r, c):
+    buf = buf.insert((r, c), jnp.sin(p * x))
+    return buf.pop((r, (c + 3) % buf.capacity))
+
+
+# The step's edits as written, inside `jax.jit`, inside `eqx.filter_jit`; and, the
+# control, with a use of the whole buffer besides (it is then stored).
+STEP_EDITS = {
+    "edits": _edits,
+    "jit": jax.jit(_edits),
+    "filter_jit": eqx.filter_jit(_edits),
+    "also summed whole": lambda *a: (lambda b, o: (b, o + b.array.sum()))(*_edits(*a)),
+}
+
+
+def _edit_loss(scan, edits: str):
     def loss(p, init, xs, rows, cols):
         def body(buf, inp):
-            x, r, c = inp
-            buf = buf.insert((r, c), jnp.sin(p * x))
-            buf, out = buf.pop((r, (c + 3) % buf.capacity))
-            if whole_read:  # a use other than an edit: the buffer is stored
-                out = out + buf.array.sum()
+            buf, out = STEP_EDITS[edits](p, buf, *inp)
             return buf, jnp.cos(out)
 
-        buf, ys = esb.scan(
-            body, esb.ShiftBuffer.from_array(init), (xs, rows, cols),
-            checkpoints=checkpoints,
-        )  # fmt: skip
+        buf, ys = scan(body, esb.ShiftBuffer.from_array(init), (xs, rows, cols))
         return (buf.array**2).sum() + ys.sum()
 
+    return loss
+
+
+@pytest.mark.parametrize("edits", STEP_EDITS)
+def test_edits_however_called_have_lax_scan_gradients(edits):
+    args = _buffer_args(length=19, shape=(4, 6))
+    grad = lambda scan: jax.jit(
+        jax.value_and_grad(_edit_loss(scan, edits), argnums=(0, 1, 2))
+    )(*args)
+    _close(grad(SCANS["ckpt-3"]), grad(lax.scan))
+
+
+def _edit_temp_bytes(checkpoints: int, edits: str) -> int:
+    scan = lambda f, c, x: esb.scan(f, c, x, checkpoints=checkpoints)
     args = _buffer_args(length=256, shape=(64, 256))
-    compiled = jax.jit(jax.grad(loss)).lower(*args).compile()
+    compiled = jax.jit(jax.grad(_edit_loss(scan, edits))).lower(*args).compile()
     return compiled.memory_analysis().temp_size_in_bytes
 
 
-def test_a_buffer_carry_only_edited_is_not_stored_at_checkpoints():
+@pytest.mark.parametrize("edits", STEP_EDITS)
+def test_a_buffer_carry_only_edited_is_not_stored_at_checkpoints(edits):
     buffer_bytes = 64 * 256 * 8
-    # 24 more checkpoints: 24 more small carries (a few scalars), no buffer.
-    assert _edit_only_temp_bytes(32, False) - _edit_only_temp_bytes(8, False) < (
-        buffer_bytes // 4
-    )
-    # The control: summed whole, the buffer is stored at every checkpoint.
-    assert (
-        _edit_only_temp_bytes(32, True) - _edit_only_temp_bytes(8, True)
-        >= 24 * buffer_bytes
-    )
+    more = _edit_temp_bytes(32, edits) - _edit_temp_bytes(8, edits)
+    if edits == "also summed whole":  # the control: stored at every checkpoint
+        assert more >= 24 * buffer_bytes
+    else:  # 24 more checkpoints: 24 more small carries (a few scalars), no buffer
+        assert more < buffer_bytes // 4
 
 
 # ---------------------------------------------------------------------------
