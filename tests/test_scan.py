@@ -15,6 +15,8 @@ from jax import lax
 import eqx_shiftbuf as esb
 from eqx_shiftbuf._schedule import binomial_steps, recomputed_steps, schedule
 
+from .tape import taped_leaves
+
 
 RTOL = 1e-10
 
@@ -439,7 +441,7 @@ def _two_buffer_loss(scan):
             h = jnp.cos(h + out * b.array.sum() * 1e-3 + k)
             return (a, b, n, h), out**2
 
-        n0 = esb.ShiftBuffer.from_array(jnp.zeros((1, a0.shape[1]), jnp.int32))
+        n0 = esb.ShiftBuffer.from_array(jnp.zeros((1, 128), jnp.int32))
         init = (esb.ShiftBuffer.from_array(a0), esb.ShiftBuffer.from_array(b0), n0, p)
         (a, b, _, h), ys = scan(body, init, (xs, rows, cols))
         return (a.array**2).sum() + (b.array**3).sum() + ys.sum() + h
@@ -447,13 +449,27 @@ def _two_buffer_loss(scan):
     return loss
 
 
+def _two_buffer_args(length, shape):
+    p, a0, xs, rows, cols = _buffer_args(length=length, shape=shape)
+    b0 = jnp.asarray(np.random.default_rng(8).normal(size=(shape[0], 2)))
+    return p, a0, b0, xs, rows, cols
+
+
+# The flat carry leaves of the storage of `a`, `b` and `n` (a `ShiftBuffer` has 4).
+A, B, N = 0, 4, 8
+
+
+def _assert_taped_as_documented(scan, args):
+    taped = taped_leaves(jax.grad(_two_buffer_loss(scan)), *args)
+    assert A in taped and N in taped and B not in taped, taped
+
+
 @pytest.mark.parametrize("name", ["ckpt-1", "ckpt-3", "ckpt-reverse-unroll"])
 def test_a_buffer_carry_only_edited_is_replayed_exactly(name):
     # `a` and `n` are not stored at checkpoints: rerun steps replay what their
     # accesses returned in the forward pass (`_tape`). `b` is stored.
-    p, a0, xs, rows, cols = _buffer_args(length=23, shape=(5, 7))
-    b0 = jnp.asarray(np.random.default_rng(8).normal(size=(5, 2)))
-    args = (p, a0, b0, xs, rows, cols)
+    args = _two_buffer_args(23, (8, 20))
+    _assert_taped_as_documented(SCANS[name], args)
     grad = lambda scan: jax.jit(
         jax.value_and_grad(_two_buffer_loss(scan), argnums=(0, 1, 2, 3))
     )(*args)
@@ -464,8 +480,9 @@ def test_a_buffer_carry_only_edited_is_replayed_exactly(name):
 def test_a_buffer_carry_only_edited_has_exact_second_derivatives(order):
     # Forward over reverse reruns steps with the tape's tangents (and a stand-in
     # storage); reverse over forward differentiates the tape's values.
-    p, a0, xs, rows, cols = _buffer_args(length=11, shape=(4, 6))
-    b0 = jnp.asarray(np.random.default_rng(9).normal(size=(4, 2)))
+    args = _two_buffer_args(11, (4, 6))
+    _assert_taped_as_documented(SCANS["ckpt-3"], args)
+    p, a0, b0, xs, rows, cols = args
 
     def second(scan):
         loss = lambda p, a0: _two_buffer_loss(scan)(p, a0, b0, xs, rows, cols)
