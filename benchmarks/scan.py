@@ -12,7 +12,8 @@ Run from the repository root: `python benchmarks/scan.py` (about 3 minutes on
 2. the same scan with a write-once buffer (`buffers=`) written every step and read
    one row back, Equinox against `esb.scan`;
 3. a `ShiftBuffer` carry doing insert then delete every step (the `demo` step),
-   gradient / forward with the default checkpoints.
+   and insert then pop with the popped value read (the reverse pass needs what
+   the buffer held), gradient / forward under `lax.scan` and `esb.scan`.
 
 Times are the best of `--repeat` runs after a warm-up; compare within one run.
 """
@@ -161,26 +162,50 @@ def main() -> None:
                 f"{temp_mb(fn, args):>8.2f}"
             )
 
-    print("\n3. ShiftBuffer carry, insert then delete per step (1000 steps, 100 x 500)")
-
     wrap, unwrap = esb.ShiftBuffer.from_array, lambda b: b.array
     args = demo.make_args(n_rows=100)
-    print(f"{'version':<34} {'fwd ms':>7} {'grad ms':>8} {'grad/fwd':>8} {'copies':>6}")
-    for name, scan in [
-        ("lax.scan", lax.scan),
-        ("esb.scan (default checkpoints)", lambda f, c, x: esb.scan(f, c, x)),
-        (
-            "esb.scan (checkpoints='all')",
-            lambda f, c, x: esb.scan(f, c, x, checkpoints="all"),
-        ),
-    ]:
-        loss = demo.make_loss(demo.esb_step, wrap, unwrap, scan=scan)
-        m = demo.measure(loss, args, args_.repeat)
-        fwd, grad = m["fwd_ms"], m["grad_ms"]
+    for title, make in [
+        ("insert then delete", lambda scan: demo.make_loss(demo.esb_step, wrap, unwrap, scan=scan)),
+        ("insert then pop, the popped value read", popped_loss),
+    ]:  # fmt: skip
+        print(f"\n3. ShiftBuffer carry, {title} per step (1000 steps, 100 x 500)")
         print(
-            f"{name:<34} {fwd:>7.3f} {grad:>8.3f} {grad / fwd:>8.2f} "
-            f"{m['grad_copies']:>6}"
+            f"{'version':<34} {'fwd ms':>7} {'grad ms':>8} {'grad/fwd':>8} "
+            f"{'copies':>6}"
         )
+        for name, scan in [
+            ("lax.scan", lax.scan),
+            ("esb.scan (default checkpoints)", lambda f, c, x: esb.scan(f, c, x)),
+            (
+                "esb.scan (checkpoints='all')",
+                lambda f, c, x: esb.scan(f, c, x, checkpoints="all"),
+            ),
+        ]:
+            m = demo.measure(make(scan), args, args_.repeat)
+            fwd, grad = m["fwd_ms"], m["grad_ms"]
+            print(
+                f"{name:<34} {fwd:>7.3f} {grad:>8.3f} {grad / fwd:>8.2f} "
+                f"{m['grad_copies']:>6}"
+            )
+
+
+def popped_loss(scan):
+    """`demo.make_loss`'s loss with a pop for the delete, whose value each step
+    returns through `tanh`: the reverse pass needs what the buffer held."""
+
+    def step(buf, inputs):
+        v, r_ins, c_ins, r_del, c_del = inputs
+        buf, out = buf.insert((r_ins, c_ins), v).pop((r_del, c_del))
+        return buf, jnp.tanh(out)
+
+    def loss(p, init, target, xs, ins_rows, ins_cols, del_rows, del_cols):
+        values = jnp.sin(p * xs)
+        inputs = (values, ins_rows, ins_cols, del_rows, del_cols)
+        buf, ys = scan(step, esb.ShiftBuffer.from_array(init), inputs)
+        final = buf.array[: target.shape[0]]
+        return ((target - final) ** 2).mean() + ys.sum()
+
+    return loss
 
 
 if __name__ == "__main__":
