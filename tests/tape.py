@@ -1,13 +1,18 @@
-"""Which carry leaves a checkpointed `esb.scan` records instead of storing.
+"""What a checkpointed `esb.scan`'s reverse pass does with a buffer.
 
-`esb.scan` decides per buffer (`eqx_shiftbuf/_tape.py`): a test of the recorded
-path asserts it was taken, since a small buffer, or a large record, is stored.
+`esb.scan` decides per buffer whether to record its reads instead of storing it
+(`eqx_shiftbuf/_tape.py`): a test of the recorded path asserts it was taken
+(`taped_leaves`), since a small buffer, or a large record, is stored.
+`loop_buffer_work` finds the buffer-sized work in compiled loops.
 """
 
 from __future__ import annotations
 
+import re
+
 import jax
 
+from eqx_shiftbuf import _inspect
 from eqx_shiftbuf._writeonce import TAPED
 
 
@@ -21,3 +26,23 @@ def taped_leaves(fn, *args) -> list[int]:
     ]
     assert len(eqns) == 1, eqns
     return [k for k, r in enumerate(eqns[0].params["roles"]) if r == TAPED]
+
+
+def loop_buffer_work(fn, args, shape: str) -> list[str]:
+    """The instructions of the compiled loop bodies of `fn` that make an array of
+    HLO shape `shape` (`"f32[64,8]"`) other than by updating one in place: copies,
+    and fusions whose root is not a `dynamic-update-slice` (a full-size add, say)."""
+    hlo = jax.jit(fn).lower(*args).compile().as_text()
+    comps = _inspect._parse(hlo)
+    bodies = {b for t in comps.values() for b in _inspect._BODY.findall(" ".join(t))}
+    found = []
+    for body in bodies:
+        for line in comps[body]:
+            m = re.match(r"\s*(?:ROOT )?%(\S+) = (\S+?)(?:\{[^}]*\})? ([\w-]+)\(", line)
+            if m is None or m.group(2) != shape:
+                continue
+            name, op = m.group(1), m.group(3)
+            in_place = op == "fusion" and "dynamic-update-slice" in name
+            if not in_place and op not in ("parameter", "get-tuple-element", "bitcast"):
+                found.append(line.strip()[:120])
+    return found

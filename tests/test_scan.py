@@ -15,7 +15,7 @@ from jax import lax
 import eqx_shiftbuf as esb
 from eqx_shiftbuf._schedule import binomial_steps, recomputed_steps, schedule
 
-from .tape import taped_leaves
+from .tape import loop_buffer_work, taped_leaves
 
 
 RTOL = 1e-10
@@ -536,6 +536,21 @@ def _edit_temp_bytes(checkpoints: int, edits: str) -> int:
     args = _buffer_args(length=256, shape=(64, 256))
     compiled = jax.jit(jax.grad(_edit_loss(scan, edits))).lower(*args).compile()
     return compiled.memory_analysis().temp_size_in_bytes
+
+
+@pytest.mark.parametrize("edits", STEP_EDITS)
+def test_a_buffer_carry_only_edited_costs_no_buffer_sized_work_per_step(edits):
+    # Recorded, the buffer is neither stored nor reloaded: the compiled loops
+    # touch it only by in-place updates of a window or line (here, its cotangent).
+    scan = lambda f, c, x: esb.scan(f, c, x, checkpoints=8)
+    grad = jax.grad(_edit_loss(scan, edits))
+    work = loop_buffer_work(
+        grad, _buffer_args(length=64, shape=(64, 256)), "f64[64,256]"
+    )
+    if edits == "also summed whole":  # the control: stored, and reloaded
+        assert work
+    else:
+        assert work == [], work
 
 
 @pytest.mark.parametrize("edits", STEP_EDITS)

@@ -4,7 +4,6 @@ buffer cases that fail or copy there passing under `esb.scan`."""
 from __future__ import annotations
 
 import functools
-import re
 
 import equinox as eqx
 import equinox.internal as eqxi
@@ -15,8 +14,8 @@ import pytest
 from jax import lax
 
 import eqx_shiftbuf as esb
-from eqx_shiftbuf import _inspect
 
+from .tape import loop_buffer_work
 from .test_scan import _close
 
 
@@ -542,26 +541,6 @@ def test_write_once_buffer_is_an_equinox_module():
     assert issubclass(esb.WriteOnceBuffer, eqx.Module)
 
 
-def _loop_buffer_work(fn, args, shape: str) -> list[str]:
-    """The instructions of the compiled loop bodies of `fn` that make an array of
-    HLO shape `shape` (`"f32[64,8]"`) other than by updating one in place: copies,
-    and fusions whose root is not a `dynamic-update-slice` (a full-size add, say)."""
-    hlo = jax.jit(fn).lower(*args).compile().as_text()
-    comps = _inspect._parse(hlo)
-    bodies = {b for t in comps.values() for b in _inspect._BODY.findall(" ".join(t))}
-    found = []
-    for body in bodies:
-        for line in comps[body]:
-            m = re.match(r"\s*(?:ROOT )?%(\S+) = (\S+?)(?:\{[^}]*\})? ([\w-]+)\(", line)
-            if m is None or m.group(2) != shape:
-                continue
-            name, op = m.group(1), m.group(3)
-            in_place = op == "fusion" and "dynamic-update-slice" in name
-            if not in_place and op not in ("parameter", "get-tuple-element", "bitcast"):
-                found.append(line.strip()[:120])
-    return found
-
-
 def test_reverse_pass_reads_cost_a_window_not_the_buffer():
     # Equinox transposes a buffer read into zeros of the buffer's size, a window
     # update and a full-size add, on every backward step (O(buffer) per step,
@@ -586,8 +565,8 @@ def test_reverse_pass_reads_cost_a_window_not_the_buffer():
     )
     args = (1.0, jnp.zeros((64, 8)))
     shape = {"float32": "f32", "float64": "f64"}[str(args[1].dtype)] + "[64,8]"
-    assert _loop_buffer_work(jax.grad(loss(ours)), args, shape) == []
-    assert _loop_buffer_work(jax.grad(loss(theirs)), args, shape)
+    assert loop_buffer_work(jax.grad(loss(ours)), args, shape) == []
+    assert loop_buffer_work(jax.grad(loss(theirs)), args, shape)
 
 
 # A schedule that reruns steps, and one that stores every step (the schedules
