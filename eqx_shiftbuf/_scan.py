@@ -283,12 +283,13 @@ def _scan_jvp(
     )
     if plan is None:
         outs = scan_p.bind(*primals, save=True, **params)
-        lin_jaxpr, lin_extra, tapes = jaxpr, [], []
+        lin_jaxpr, lin_extra, num_tape = jaxpr, [], 0
     else:
         # Buffers reached only by edits are not stored: the forward pass records
         # what their accesses return, and rerun steps replay it (`_tape`).
         rec, rec_extra = plan.recording()
         lin_jaxpr, lin_extra = plan.replaying()
+        num_tape = len(plan.taped)
         params["roles"] = plan.roles
         outs = scan_p.bind(
             *rec_extra,
@@ -298,8 +299,7 @@ def _scan_jvp(
         )
     n_out = len(out_avals)
     primal_out = outs[:n_out]
-    tapes = outs[n_out : n_out + len(plan.taped)] if plan is not None else []
-    snaps = outs[n_out + len(tapes) :]
+    tapes, snaps = outs[n_out : n_out + num_tape], outs[n_out + num_tape :]
     # Buffers are not stored: rerun steps see their final values.
     finals = [c for c, r in zip(primal_out[:num_carry], roles) if r == BUFFER]
     # The tape is a per-step input of the rerun steps, after the `xs`; constants
