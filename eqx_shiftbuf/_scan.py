@@ -278,9 +278,7 @@ def _scan_jvp(
         out = scan_p.bind(*primals, save=False, **params)
         return out, [ad.Zero(a.to_tangent_aval()) for a in out_avals]
     tangents = list(tangents)
-    plan = _tape.plan(
-        jaxpr, num_consts, num_carry, roles, length=length, checkpoints=checkpoints
-    )
+    plan = _tape.plan(jaxpr, num_consts, roles, length=length, checkpoints=checkpoints)
     if plan is None:
         outs = scan_p.bind(*primals, save=True, **params)
         lin_jaxpr, lin_extra, num_tape = jaxpr, [], 0

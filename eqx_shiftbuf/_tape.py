@@ -167,7 +167,7 @@ def _outs(jaxpr: ClosedJaxpr, env: dict) -> list:
 _CALL = "call"
 
 
-def _chain(jaxpr, k: int, num_consts: int, num_carry: int, used: set):
+def _chain(jaxpr, k: int, num_consts: int, used: set):
     """The variables `_replaying` must tape for carry leaf `k`; None if the leaf
     has a use other than as the storage of a chain of buffer primitives that ends
     in its new value; `_CALL` if it is an operand of a `jax.jit` call (whose body
@@ -190,7 +190,7 @@ def _chain(jaxpr, k: int, num_consts: int, num_carry: int, used: set):
         elif eqn.primitive in _READS:
             others = eqn.outvars
         else:
-            return _CALL if eqn.primitive is jit_p else None
+            return None
         taped += [v for v in others if not isinstance(v, jcore.DropVar) and v in used]
     outs = inner.outvars
     if not (isinstance(outs[k], jcore.Var) and outs[k] in storage):
@@ -209,14 +209,13 @@ def _bytes(avals) -> int:
 def plan(
     jaxpr: ClosedJaxpr,
     num_consts: int,
-    num_carry: int,
     roles: Sequence[int],
     *,
     length: int,
     checkpoints: int,
 ):
-    """The `Plan` for a scan body of `length` steps with `checkpoints` slots, or
-    None when no carry leaf is taped.
+    """The `Plan` for a scan body of `length` steps with `checkpoints` slots and
+    carry leaves of `roles`, or None when no carry leaf is taped.
 
     Only `NORMAL` leaves (stored at checkpoints) are candidates, and a leaf is taped
     only where its tape (`length` steps of what its accesses return) takes no more
@@ -224,10 +223,10 @@ def plan(
     of its buffer (an attention over a whole cache) is better served by storing the
     buffer. The tape is faster wherever it is taken: a step's tape is smaller than
     the buffer, which every reversed step would otherwise reload."""
-    chains = _chains(jaxpr, num_consts, num_carry, roles)
+    chains = _chains(jaxpr, num_consts, roles)
     if _CALL in chains:
         jaxpr = _inlined(jaxpr)
-        chains = _chains(jaxpr, num_consts, num_carry, roles)
+        chains = _chains(jaxpr, num_consts, roles)
     inner = jaxpr.jaxpr
     new_roles, taped = list(roles), []
     for k, chain in enumerate(chains):
@@ -245,12 +244,12 @@ def plan(
     return Plan(tuple(new_roles), jaxpr, taped)
 
 
-def _chains(jaxpr: ClosedJaxpr, num_consts: int, num_carry: int, roles) -> list:
+def _chains(jaxpr: ClosedJaxpr, num_consts: int, roles) -> list:
     """`_chain` of each `NORMAL` carry leaf (None for the others)."""
     inner = jaxpr.jaxpr
     used = {v for e in inner.eqns for v in e.invars if isinstance(v, jcore.Var)}
     used |= {v for v in inner.outvars if isinstance(v, jcore.Var)}
     return [
-        _chain(jaxpr, k, num_consts, num_carry, used) if r == NORMAL else None
+        _chain(jaxpr, k, num_consts, used) if r == NORMAL else None
         for k, r in enumerate(roles)
     ]

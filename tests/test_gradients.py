@@ -259,13 +259,22 @@ def _random_indices(rng, n_edits):
     seed=st.integers(0, 2**31 - 1),
 )
 def test_scan_of_random_edits_grad_matches_plain_autodiff(kinds, seed):
+    lib, plain = _compiled(kinds)
+    args = _random_case(kinds, seed)
+    _assert_same_value_and_grad(lib(*args), plain(*args))
+
+
+def _random_case(kinds, seed):
+    """`(x0, p, idx, vals)` for `_loss(kinds, ...)`, drawn from `seed`."""
     rng = np.random.default_rng(seed)
     idx = _random_indices(rng, len(kinds))
     vals = jnp.asarray(rng.normal(size=(STEPS, len(kinds))))
     x0 = jnp.asarray(rng.normal(size=SHAPE))
-    p = jnp.float64(rng.normal())
-    lib, plain = _compiled(kinds)
-    (l1, g1), (l2, g2) = lib(x0, p, idx, vals), plain(x0, p, idx, vals)
+    return x0, jnp.float64(rng.normal()), idx, vals
+
+
+def _assert_same_value_and_grad(ours, theirs):
+    (l1, g1), (l2, g2) = ours, theirs
     np.testing.assert_allclose(l1, l2, rtol=1e-10)
     for a, b in zip(g1, g2):
         np.testing.assert_allclose(a, b, rtol=1e-9, atol=1e-12)
@@ -285,18 +294,10 @@ def _checkpointed(f, init, xs):
 def test_checkpointed_esb_scan_of_random_edits_grad_matches_plain_autodiff(kinds, seed):
     # The buffer is not stored at checkpoints: rerun steps replay what its
     # accesses returned (`eqx_shiftbuf/_tape.py`), for any sequence of edits.
-    rng = np.random.default_rng(seed)
-    idx = _random_indices(rng, len(kinds))
-    vals = jnp.asarray(rng.normal(size=(STEPS, len(kinds))))
-    x0 = jnp.asarray(rng.normal(size=SHAPE))
-    p = jnp.float64(rng.normal())
+    args = _random_case(kinds, seed)
     lib = jax.value_and_grad(_loss(kinds, True, _checkpointed), argnums=(0, 1))
-    assert 0 in taped_leaves(lib, x0, p, idx, vals)  # the buffer's storage
-    (l1, g1) = jax.jit(lib)(x0, p, idx, vals)
-    (l2, g2) = _compiled(kinds)[1](x0, p, idx, vals)
-    np.testing.assert_allclose(l1, l2, rtol=1e-10)
-    for a, b in zip(g1, g2):
-        np.testing.assert_allclose(a, b, rtol=1e-9, atol=1e-12)
+    assert 0 in taped_leaves(lib, *args)  # the buffer's storage
+    _assert_same_value_and_grad(jax.jit(lib)(*args), _compiled(kinds)[1](*args))
 
 
 @pytest.mark.parametrize("kinds", [("insert", "pop"), ("slice", "update", "delete")])
