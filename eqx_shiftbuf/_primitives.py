@@ -87,6 +87,7 @@ from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 
 from ._xla import (
+    added_in_halves,
     carrier,
     explicit_sharding,
     from_carrier,
@@ -326,15 +327,9 @@ def _accum_impl(storage, tok, window, *starts, ordered, nbatch=0):
         return storage, tok
     window = _flat(window, bshape)
     if size == 1 and tuple(window.shape[1:]) == tuple(storage.shape):
-        # The whole buffer (the transpose of a whole-buffer read): written
-        # straight-line, the accumulation is a plain elementwise add, which XLA
-        # fuses into the next read of the buffer (computing the sum again there,
-        # from the old buffer) and then writes out of place, copying the result
-        # back into the loop carry: 1 copy per step under grad of
-        # `buf, w = buf.read()` after an insert. In its own single-trip loop the
-        # add is in place and the next access reads its result.
-        w = window[0]
-        return _loop(tok, 1, lambda j, s: s + w.astype(s.dtype), storage), tok_in
+        # The whole buffer (the transpose of a whole-buffer read): see
+        # `added_in_halves` for why it is not a plain add.
+        return added_in_halves(storage, window[0], _index_zero(tok)), tok_in
     olds = None
     if ordered and size != 1:  # as in `_shift`: read the old windows in a loop first
         storage, olds, tok = _read_impl(storage, tok, *starts, sizes=window.shape[1:])

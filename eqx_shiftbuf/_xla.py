@@ -12,6 +12,7 @@ its docstring says what XLA does without it and which test fails if it goes:
 | `loop_not_unrolled` | removes a 1-trip loop and reorders what it kept apart |
 | `NO_WRAP` | materialises lax's negative-start wrap as a kernel per access |
 | `widened_write` | duplicates a lower-rank write into the next read: a copy |
+| `added_in_halves` | fuses a whole-buffer add into the next read and writes it out of place (a copy), or, in a loop, writes its operand out first |
 | `window2_edit` | the same, for a shift's single-line write |
 | `pick_by_max` / `window_by_reduce` | duplicates a cheap slice into each consumer, unordered with the next write: a copy; a masked max of the values is not exact |
 | `carrier` | computes bfloat16/float8 selects and writes in float32: NaN payloads and subnormals change |
@@ -154,6 +155,46 @@ def widened_write(s, st, sizes, new_window):
     assert mask is not None  # some dimension was widened
     new = jnp.where(mask, new_window(big).astype(s.dtype), big)
     return lax.dynamic_update_slice(s, new, starts, allow_negative_indices=NO_WRAP)
+
+
+def added_in_halves(s, w, zero):
+    """`s + w` for a `w` of the shape of `s`, as two in-place updates of half of `s`.
+
+    `zero` is an int32 run-time zero (from the access's token); it is passed through
+    an `optimization_barrier` so that the halves' starts stay run-time values.
+
+    Without it: a plain `s + w` is elementwise, and XLA:CPU fuses it into the next
+    read of the buffer (computing the sum again there, from the old buffer) and
+    writes it out of place: 1 copy per step of the gradient of a whole-buffer read
+    after an insert. In a single-trip loop (`loop_not_unrolled`) the add is in place,
+    but `w` is a loop operand, which XLA writes out before the loop: the window
+    cotangent of `(w * s).sum()` is a broadcast of a scalar, written to a
+    buffer-sized array every step, and the gradient was 1.13-1.26x plain `lax`'s.
+    As two `dynamic_update_slice`s, each reading the half it writes at the same
+    starts, XLA updates the buffer in place and fuses the broadcast into the
+    updates. A constant start would turn the half's read into a static `slice`,
+    which XLA does not let a fusion update in place (a rewrite of the buffer);
+    lax's wrap of negative starts would give the read and the write different
+    start values, and XLA then writes the half read out first.
+
+    Pinned by `tests/test_natural_patterns.py::test_no_per_iteration_copies` (the
+    `whole_read` and `whole_array` rows under grad); the time is
+    `benchmarks/patterns.py`'s.
+    """
+    d = next((i for i, n in enumerate(s.shape) if n >= 2), None)
+    w = w.astype(s.dtype)
+    if d is None:  # one element: no half to update, and nothing to fuse
+        return loop_not_unrolled(zero, 1, lambda _, s: s + w, s)
+    zero = lax.optimization_barrier(zero)
+    n = s.shape[d]
+    for lo, hi in ((0, n // 2), (n // 2, n)):
+        starts = [zero] * s.ndim
+        starts[d] = zero + lo
+        sizes = s.shape[:d] + (hi - lo,) + s.shape[d + 1 :]
+        old = lax.dynamic_slice(s, starts, sizes, allow_negative_indices=False)
+        new = old + lax.slice_in_dim(w, lo, hi, axis=d)
+        s = lax.dynamic_update_slice(s, new, starts, allow_negative_indices=False)
+    return s
 
 
 def bits_dtype(dtype) -> Any:
