@@ -165,10 +165,12 @@ def read(
     carries a token that the next edit of `x2` waits for, and its storage is the
     read's output, so that under `jax.grad` the read's cotangent is added into the
     buffer's cotangent in place. `esb.dynamic_slice` returns only the window: a
-    later edit of `x` that does not use the window's values, or a step that returns
-    `x` after reading it, then copies the buffer (or, under `jax.grad`, adds a
-    buffer-sized cotangent) every step. On a plain array, `x2` is the read's output
-    array but carries no token: carry a `ShiftBuffer` to order reads and writes.
+    later edit of `x` in the same function still waits for the read (an edit's
+    lowering waits for the reads of the storage it writes), but one inside a nested
+    `jax.jit` or `lax.cond` branch does not, and copies the buffer every step; a
+    step that returns `x` after reading it adds, under `jax.grad`, a buffer-sized
+    cotangent every step. On a plain array, `x2` is the read's output array but
+    carries no token: carry a `ShiftBuffer` to order reads and writes.
 
     **Arguments:** as for [`eqx_shiftbuf.dynamic_slice`][]; `start_indices` and
     `slice_sizes` are given together or not at all.

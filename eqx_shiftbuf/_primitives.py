@@ -36,6 +36,11 @@ behaviours are in `_xla.py`, each with the test that pins it. So:
   its neighbour, `window2_edit`), which XLA materialises once instead of
   duplicating it into its consumers. Otherwise
   (batched, complex, or no such dimension) the reads run in their own loop.
+  An unbatched read that would be a reduction, of a common dtype, is lowered
+  first as a plain slice (`_xla.deferred_read`) and materialised by the lowering
+  of the next access that may follow it (`_xla.materialise_deferred_reads`): a
+  read that no access follows (a delay line's taps after its write) stays a slice
+  that XLA fuses into its consumers, as in plain `lax` code.
 - *Writes* run straight-line, the same operations plain `lax` code would use, with
   the pending token added to an index they really use (`_free_dim`).
 - *Every unbatched write spans two elements of each dimension of the buffer that
@@ -89,10 +94,13 @@ from jax.interpreters import ad, batching, mlir
 from ._xla import (
     added_in_halves,
     carrier,
+    DEFERRABLE_DTYPES,
+    deferred_read,
     explicit_sharding,
     from_carrier,
     loop_not_unrolled,
     lowered_without_explicit_shardings,
+    materialise_deferred_reads,
     on_several_devices,
     opaque_zero,
     pick_by_max,
@@ -700,6 +708,50 @@ def _pop_abstract(storage, tok, *idx, axis, fill, read, ordered, nbatch):
 # Definitions.
 
 
+def _deferrable(ctx, *, sizes, nbatch) -> bool:
+    """Whether a read may be lowered as a plain slice (`deferred_read`): when
+    `_read_impl` would read it through a reduction, of a dtype XLA:CPU moves exactly
+    (`DEFERRABLE_DTYPES`)."""
+    storage = ctx.avals_in[0]
+    starts = ctx.avals_in[2:]
+    return (
+        nbatch == 0
+        and all(a.shape == () for a in starts)
+        and not _touches_nothing(1, sizes)
+        and storage.dtype in DEFERRABLE_DTYPES
+        and _reduce_read(storage, 1, sizes) is not None
+    )
+
+
+def _reduced_read(storage, *starts, sizes):
+    """`(window, bits)`: the read `_read_impl` makes through a reduction."""
+    d = _pair_dim(sizes, storage.shape)
+    assert d is not None  # `_deferrable` read it so
+    return window_by_reduce(storage, starts, sizes, d)
+
+
+def _after_deferred_reads(ctx, args):
+    """`args` with the token waiting for the deferred reads of the storage, now
+    materialised (`materialise_deferred_reads`)."""
+    storage, tok, *rest = args
+    waits = materialise_deferred_reads(ctx, storage, _reduced_read)
+    if not waits:
+        return args
+
+    def wait(tok, *bits):
+        for b in bits:
+            tok = _read_token(tok, b)
+        return [tok]
+
+    tok_aval = ctx.avals_in[1]
+    bits, bits_avals = zip(*waits, strict=True)
+    sub = ctx.replace(
+        primitive=None, avals_in=[tok_aval, *bits_avals], avals_out=[tok_aval]
+    )
+    (tok,) = mlir.lower_fun(wait, multiple_results=True)(sub, tok, *bits)
+    return (storage, tok, *rest)
+
+
 def _define(name: str, impl: Callable, abstract: Callable, n_arrays: int) -> Primitive:
     p = Primitive(name)
     p.multiple_results = True
@@ -716,9 +768,20 @@ def _define(name: str, impl: Callable, abstract: Callable, n_arrays: int) -> Pri
 
     def lowering(ctx, *args, **params):
         many = params["nbatch"] > 0 and on_several_devices(ctx)
+        if not many and name == "esb_read" and _deferrable(ctx, **params):
+            storage, tok, *starts = args
+            window, tok = deferred_read(storage, tok, starts, params["sizes"])
+            return [storage, window, tok]
+        if not many:
+            args = _after_deferred_reads(ctx, args)
         return (split if many else plain)(ctx, *args, **params)
 
-    mlir.register_lowering(p, lowered_without_explicit_shardings(lowering))
+    # Not cacheable: JAX would lower each (primitive, types, parameters) once, in a
+    # function of its own, and inline copies of it, so that a write's lowering
+    # would not see the reads of its storage before it (`_after_deferred_reads`).
+    mlir.register_lowering(
+        p, lowered_without_explicit_shardings(lowering), cacheable=False
+    )
     # The lowering asks how many devices the program runs on (`on_several_devices`),
     # which JAX tells only to the lowerings of primitives it knows to need them.
     # Without this, a sharded batch's accesses are not split over the devices

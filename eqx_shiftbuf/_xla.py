@@ -14,6 +14,7 @@ its docstring says what XLA does without it and which test fails if it goes:
 | `widened_write` | duplicates a lower-rank write into the next read: a copy |
 | `added_in_halves` | fuses a whole-buffer add into the next read and writes it out of place (a copy), or, in a loop, writes its operand out first |
 | `window2_edit` | the same, for a shift's single-line write |
+| `deferred_read` / `materialise_deferred_reads` | (with `window_by_reduce`) runs a reduction kernel per read that no write follows, where plain `lax` fuses the slice into its consumer |
 | `pick_by_max` / `window_by_reduce` | duplicates a cheap slice into each consumer, unordered with the next write: a copy; a masked max of the values is not exact |
 | `carrier` | computes bfloat16/float8 selects and writes in float32: NaN payloads and subnormals change |
 | `check_on_the_side` | copies the buffer through the check's conditional every step, or removes a check whose result only zero-size values use; (JAX) a `jax.debug.callback` to keep it takes the program off `jax.jit`'s fast path |
@@ -40,6 +41,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax._src import dispatch
+from jax._src.lib.mlir import ir
+from jax._src.lib.mlir.dialects import hlo
 from jax.core import ShapedArray
 from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir, partial_eval as pe
@@ -293,6 +296,224 @@ def window_by_reduce(s, st, sizes, d: int):
     wide[d] = 2
     pair = lax.dynamic_slice(s, st, wide, allow_negative_indices=NO_WRAP)
     return pick_by_max(pair, k, d, keepdims=True)
+
+
+# A read is materialised (`window_by_reduce`) only so that the next write of its
+# buffer can wait for it; a read that no write follows needs none of that, and as a
+# plain slice XLA fuses it into its consumers, as it does plain `lax` code: eleven
+# one-row taps of a ring took eleven reduction kernels a step, 1.8x plain `lax`'s
+# forward. Whether a write follows is not known when a read is traced or lowered,
+# so an unbatched read is lowered as a plain `dynamic_slice` of the storage, marked,
+# and returns its token through a marked hook; the lowering of each later access
+# materialises the marked reads it may follow (`materialise_deferred_reads`),
+# rewires their hooks to wait for them, and waits for them itself. A read that no
+# access of ours sees stays plain: that costs at most a copy (XLA orders values,
+# never computes a wrong one), which `esb.find_loop_copies` shows.
+_DEFERRED_READ = "esb.deferred_read"
+_READ_TOKEN = "esb.read_token"
+
+
+def deferred_read(storage: ir.Value, tok: ir.Value, starts, sizes):
+    """`(window, token)`: the unbatched read `storage[starts : starts + sizes]`,
+    lowered as a plain `dynamic_slice`, for `materialise_deferred_reads` to find.
+
+    The starts and the token go through one `optimization_barrier` (so that XLA
+    sees the starts as run-time values, as in `run_time_indices`, and so that the
+    token's hook can be found from the slice). The window is a marked no-op
+    `reshape` of the slice and the token a marked no-op `reshape` of the token:
+    materialising the read rewires their operands, so that the values the lowering
+    returned, which JAX holds for the read's users still to be lowered, stay valid.
+
+    Pinned by `tests/test_deferred_reads.py` and, for the reads an access follows,
+    by every copy count of the suite.
+    """
+    tok, *starts = hlo.OptimizationBarrierOp([tok, *starts]).results
+    sliced = hlo.DynamicSliceOp(storage, starts, mlir.dense_int_array(list(sizes)))
+    window = hlo.ReshapeOp(sliced.result.type, sliced.result)
+    window.operation.attributes[_DEFERRED_READ] = ir.UnitAttr.get()
+    hook = hlo.ReshapeOp(tok.type, tok)
+    hook.operation.attributes[_READ_TOKEN] = ir.UnitAttr.get()
+    return window.result, hook.result
+
+
+def _operation(owner) -> ir.Operation | None:
+    """The operation of a value's owner or a use's owner (an op view), or None for
+    a block (the value is a block argument)."""
+    if isinstance(owner, ir.Block):
+        return None
+    return owner.operation
+
+
+def _callee(call: ir.Operation, module) -> ir.Operation:
+    name = ir.FlatSymbolRefAttr(call.attributes["callee"]).value
+    return ir.SymbolTable(module.operation)[name].operation
+
+
+def _aliases(storage: ir.Value, module) -> list:
+    """`storage` and the values it was passed on from, through the operations
+    that hand an operand on as a result: a loop, a barrier, a call of a function
+    (a `jax.jit` inside the program) that returns its argument, whose argument is
+    an alias too, so that its reads are found."""
+    out, todo = [], [storage]
+    while todo:
+        v = todo.pop()
+        out.append(v)
+        owner = _operation(v.owner)
+        if owner is None:
+            continue
+        k = next(i for i, r in enumerate(owner.results) if r == v)
+        if owner.name in ("stablehlo.while", "stablehlo.optimization_barrier"):
+            todo.append(owner.operands[k])
+        elif owner.name == "func.call":
+            body = _callee(owner, module).regions[0].blocks[0]
+            returned = body.operations[len(body.operations) - 1].operands[k]
+            if isinstance(returned.owner, ir.Block):  # the callee's argument
+                arg = ir.BlockArgument(returned).arg_number
+                out.append(returned)
+                todo.append(owner.operands[arg])
+    return out
+
+
+def _in_a_called_function(storage: ir.Value) -> bool:
+    """Whether `storage` is an argument of a function other than the entry: the
+    body of a `jax.jit` inside the program, whose caller may have read it."""
+    if not isinstance(storage.owner, ir.Block):
+        return False
+    op = storage.owner.owner.operation
+    if op.name != "func.func":
+        return False
+    return ir.StringAttr(op.attributes["sym_name"]).value != "main"
+
+
+def _marks(values) -> list:
+    """The marked windows of the deferred reads of `values`."""
+    out = []
+    for value in values:
+        for use in value.uses:
+            sliced = _operation(use.owner)
+            if (
+                sliced is None
+                or sliced.name != "stablehlo.dynamic_slice"
+                or use.operand_number != 0
+            ):
+                continue
+            for u in sliced.result.uses:
+                mark = _operation(u.owner)
+                if mark is not None and _DEFERRED_READ in mark.attributes:
+                    out.append(mark)
+    return out
+
+
+def _all_marks(module) -> list:
+    out = []
+
+    def visit(op):
+        if _DEFERRED_READ in op.attributes:
+            out.append(op)
+        return ir.WalkResult.ADVANCE
+
+    module.operation.walk(visit)
+    return out
+
+
+# The dtypes of the buffers whose reads are deferred: those XLA:CPU moves exactly
+# (see `carrier`) and whose MLIR type `_aval_of` maps back. The others (bfloat16,
+# float8, int4, ...) are read through a reduction as before.
+DEFERRABLE_DTYPES = tuple(
+    jnp.dtype(d)
+    for d in (
+        jnp.float32,
+        jnp.float16,
+        jnp.float64,
+        jnp.int32,
+        jnp.int64,
+        jnp.int16,
+        jnp.int8,
+        jnp.uint32,
+        jnp.uint64,
+        jnp.uint16,
+        jnp.uint8,
+        jnp.bool_,
+    )
+)
+
+
+def _aval_of(v: ir.Value) -> ShapedArray:
+    t = ir.RankedTensorType(v.type)
+    for dtype in DEFERRABLE_DTYPES:
+        if mlir.dtype_to_ir_type(dtype) == t.element_type:
+            return ShapedArray(tuple(t.shape), dtype)
+    raise TypeError(f"eqx_shiftbuf: no deferrable dtype has the MLIR type {t}")
+
+
+def _materialise(ctx, mark: ir.Operation, reduced: Callable):
+    """Turn the deferred read whose window is `mark` into `reduced(storage,
+    *starts, sizes=...) -> (window, bits)`, in its place, and its token hook into
+    the token plus a run-time zero made from `bits`. Returns `bits`."""
+    sliced = _operation(mark.operands[0].owner)
+    assert sliced is not None
+    barrier = _operation(sliced.operands[1].owner)
+    assert barrier is not None and barrier.name == "stablehlo.optimization_barrier"
+    tok = barrier.results[0]
+    hook = next(
+        op
+        for op in (_operation(u.owner) for u in tok.uses)
+        if op is not None and _READ_TOKEN in op.attributes
+    )
+    storage, starts = sliced.operands[0], list(sliced.operands[1:])
+    sizes = tuple(ir.DenseI64ArrayAttr(sliced.attributes["slice_sizes"]))
+    avals_in = [_aval_of(storage)] + [_aval_of(i) for i in starts]
+    fn = functools.partial(reduced, sizes=sizes)
+    avals_out = [ShapedArray(a.shape, a.dtype) for a in jax.eval_shape(fn, *avals_in)]
+    sub = ctx.replace(primitive=None, avals_in=avals_in, avals_out=avals_out)
+    with ir.InsertionPoint(sliced):
+        window, bits = mlir.lower_fun(fn, multiple_results=True)(sub, storage, *starts)
+    mark.operands[0] = window
+    del mark.attributes[_DEFERRED_READ]
+    sliced.erase()
+
+    def waited(tok, bits):
+        return [tok + opaque_zero(bits).astype(tok.dtype)]
+
+    tok_aval = _aval_of(tok)
+    sub = ctx.replace(
+        primitive=None, avals_in=[tok_aval, avals_out[1]], avals_out=[tok_aval]
+    )
+    with ir.InsertionPoint(hook):
+        (new_tok,) = mlir.lower_fun(waited, multiple_results=True)(sub, tok, bits)
+    hook.operands[0] = new_tok
+    del hook.attributes[_READ_TOKEN]
+    return bits, avals_out[1]
+
+
+def materialise_deferred_reads(ctx, storage: ir.Value, reduced: Callable) -> list:
+    """Materialise (`_materialise`) the deferred reads that the access of `storage`
+    being lowered may follow; return the `(bits, type)` of those in its block, which
+    it must wait for.
+
+    These are the reads of `storage` and of the values it was passed on from
+    (`_aliases`), and, when `storage` is an argument of a called function (a
+    `jax.jit` inside the program), every deferred read still in the program: its
+    caller's reads are not reachable from here, and their tokens, passed in, are
+    then made to wait for them. A read in another block (a `lax.cond` branch, a
+    called function) is waited for through its token only. The search of the whole
+    program is only for an access inside a called function, and costs a walk of
+    the program lowered so far.
+    """
+    module = ctx.module_context.module
+    # (`current` is a class property, which the stubs type as `Final`.)
+    block = ir.InsertionPoint.current.block  # pyright: ignore[reportAttributeAccessIssue]
+    marks = _marks(_aliases(storage, module))
+    if _in_a_called_function(storage):
+        marks += _all_marks(module)
+    waits = []
+    for mark in marks:
+        if _DEFERRED_READ not in mark.attributes:  # found twice
+            continue
+        bits = _materialise(ctx, mark, reduced)
+        if mark.block == block:
+            waits.append(bits)
+    return waits
 
 
 def window2_edit(s, ix, axis, new_line, line=None, *, reduce_line=False):

@@ -1,8 +1,9 @@
 """What `esb.find_loop_copies` reports on a step that copies, and on its fix.
 
-Each step reads a window of a carried buffer and then inserts into it. Read with
-`dynamic_slice` (values only), the read is not ordered before the insert, and XLA
-copies the buffer every step; read with `read`, the step stays in place.
+Each step reads a window of a carried buffer and inserts into it. Written with the
+read of the old buffer after the insert, the step keeps the old buffer alive past
+the insert, and XLA copies it every step; with the read first, the step stays in
+place.
 
 Run it by hand: `python docs/examples/copying_step.py [--size small]`.
 """
@@ -22,14 +23,14 @@ SIZES = {"small": (64, 256, 100), "full": (1000, 1000, 1000)}
 # --8<-- [start:steps]
 def step_unordered(buf, x):
     i, j, v = x
-    w = buf.dynamic_slice((i, 0), (1, 16))  # values only: no token
-    buf = buf.insert((j, 0), v)  # does not use `w`: free to run before the read
-    return buf, w.sum()
+    new = buf.insert((j, 0), v)
+    w = buf.dynamic_slice((i, 0), (1, 16))  # the old buffer, read after the insert
+    return new, w.sum()
 
 
 def step_ordered(buf, x):
     i, j, v = x
-    buf, w = buf.read((i, 0), (1, 16))  # the returned buffer orders the insert
+    buf, w = buf.read((i, 0), (1, 16))  # read first: the insert waits for it
     buf = buf.insert((j, 0), v)
     return buf, w.sum()
 

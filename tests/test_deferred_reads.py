@@ -1,0 +1,178 @@
+"""Reads that no access follows are plain slices; the others are ordered before it.
+
+An unbatched read is lowered as a plain `dynamic_slice` (`_xla.deferred_read`), which
+XLA fuses into its consumers as it does plain `lax` code, and the lowering of a later
+access of the buffer turns it into a materialised read that the access waits for
+(`_xla.materialise_deferred_reads`). These tests pin both halves: what stays plain,
+and that every read an access follows, in the same function or across a `jax.jit`
+inside the step, is ordered before it (no per-step copy).
+"""
+
+from __future__ import annotations
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+
+import eqx_shiftbuf as esb
+from eqx_shiftbuf import _xla
+
+
+ROWS, COLS, STEPS = 64, 256, 20
+
+
+def _loss(step):
+    def loss(a, xs):
+        buf, ys = lax.scan(step, esb.ShiftBuffer.from_array(a), xs)
+        return (buf.array**2).sum() + ys.sum()
+
+    return loss
+
+
+def _args():
+    t = jnp.arange(STEPS, dtype=jnp.int32)
+    return jnp.ones((ROWS, COLS)), (t % ROWS, t % 7, jnp.linspace(0.0, 1.0, STEPS))
+
+
+def _deferred_in_lowering(fn) -> int:
+    return jax.jit(fn).lower(*_args()).as_text().count(_xla._DEFERRED_READ)
+
+
+def _write_then_taps(buf, x):
+    i, j, v = x
+    buf = buf.dynamic_update_slice(jnp.full((1, 16), v), (j, 0))
+    y = jnp.zeros(())
+    for k in range(3):
+        buf, w = buf.read(((i + k) % ROWS, 0), (1, 16))
+        y = y + jnp.tanh(w).sum()
+    return buf, y
+
+
+def _read_then_insert(buf, x):
+    i, j, v = x
+    buf, w = buf.read((i, 0), (1, 16))
+    return buf.insert((j, 0), v), w.sum()
+
+
+def _window_then_insert(buf, x):
+    i, j, v = x
+    w = buf.dynamic_slice((i, 0), (1, 16))  # the window only: no token
+    return buf.insert((j, 0), v), w.sum()
+
+
+@jax.jit
+def _jitted_insert(buf, j, v):
+    return buf.insert((j, 0), v)
+
+
+@jax.jit
+def _jitted_read(buf, i):
+    return buf.read((i, 0), (1, 16))
+
+
+@eqx.filter_jit
+def _filter_jitted_read(buf, i):
+    return buf.read((i, 0), (1, 16))
+
+
+def _read_then_jitted_insert(buf, x):
+    i, j, v = x
+    buf, w = buf.read((i, 0), (1, 16))
+    return _jitted_insert(buf, j, v), w.sum()
+
+
+def _jitted_read_then_insert(buf, x):
+    i, j, v = x
+    buf, w = _jitted_read(buf, i)
+    return buf.insert((j, 0), v), w.sum()
+
+
+def _filter_jitted_read_then_insert(buf, x):
+    i, j, v = x
+    buf, w = _filter_jitted_read(buf, i)
+    return buf.insert((j, 0), v), w.sum()
+
+
+def test_reads_no_access_follows_stay_plain_slices():
+    assert _deferred_in_lowering(_loss(_write_then_taps)) == 3
+
+
+def test_a_read_an_access_follows_is_materialised():
+    assert _deferred_in_lowering(_loss(_read_then_insert)) == 0
+
+
+def test_reads_no_access_follows_copy_nothing():
+    assert esb.find_loop_copies(jax.jit(_loss(_write_then_taps)), *_args()) == []
+
+
+def test_a_window_read_without_its_token_is_ordered_before_a_later_edit():
+    # Before reads were deferred, this step copied the buffer twice per step: the
+    # insert did not wait for a read that returned no token.
+    copies = esb.find_loop_copies(jax.jit(_loss(_window_then_insert)), *_args())
+    assert copies == [], "\n".join(map(str, copies))
+
+
+_ACROSS_JIT = [
+    _read_then_jitted_insert,
+    _jitted_read_then_insert,
+    _filter_jitted_read_then_insert,
+]
+
+
+def _under(mode, loss):
+    if mode == "fwd":
+        return loss
+    if mode == "grad":
+        return jax.grad(loss)
+    return lambda a, xs: jax.jvp(lambda a: loss(a, xs), (a,), (a,))
+
+
+@pytest.mark.parametrize("mode", ["fwd", "grad", "jvp"])
+@pytest.mark.parametrize("step", _ACROSS_JIT, ids=lambda f: f.__name__.strip("_"))
+def test_reads_are_ordered_across_a_jit_inside_the_step(step, mode):
+    fn = jax.jit(_under(mode, _loss(step)))
+    copies = esb.find_loop_copies(fn, *_args())
+    assert copies == [], "\n".join(map(str, copies))
+
+
+def _plain_write_then_taps(a, x):
+    i, j, v = x
+    a = lax.dynamic_update_slice(a, jnp.full((1, 16), v), (j, jnp.int32(0)))
+    y = jnp.zeros(())
+    for k in range(3):
+        y = (
+            y
+            + jnp.tanh(
+                lax.dynamic_slice(a, ((i + k) % ROWS, jnp.int32(0)), (1, 16))
+            ).sum()
+        )
+    return a, y
+
+
+def _plain_read_then_insert(a, x):
+    i, j, v = x
+    w = lax.dynamic_slice(a, (i, jnp.int32(0)), (1, 16))
+    row = jnp.concatenate([jnp.reshape(v, (1,)), a[j, :-1]])
+    return a.at[j].set(row), w.sum()
+
+
+_PLAIN = {
+    _write_then_taps: _plain_write_then_taps,
+    _window_then_insert: _plain_read_then_insert,
+    **{step: _plain_read_then_insert for step in _ACROSS_JIT},
+}
+
+
+@pytest.mark.parametrize("step", list(_PLAIN), ids=lambda f: f.__name__.strip("_"))
+def test_values_and_gradients_equal_plain_lax(step):
+    def plain(a, xs):
+        a, ys = lax.scan(_PLAIN[step], a, xs)
+        return (a**2).sum() + ys.sum()
+
+    got = jax.jit(jax.value_and_grad(_loss(step)))(*_args())
+    want = jax.jit(jax.value_and_grad(plain))(*_args())
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        np.testing.assert_allclose(g, w, rtol=1e-6, atol=1e-6)
