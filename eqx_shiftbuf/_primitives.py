@@ -94,6 +94,7 @@ from jax.interpreters import ad, batching, mlir
 from ._xla import (
     added_in_halves,
     carrier,
+    computed_from_scalars,
     DEFERRABLE_DTYPES,
     deferred_read,
     explicit_sharding,
@@ -328,7 +329,7 @@ def _read_abstract(storage, tok, *starts, sizes, nbatch):
     )
 
 
-def _accum_impl(storage, tok, window, *starts, ordered, nbatch=0):
+def _accum_impl(storage, tok, window, *starts, ordered, nbatch=0, scalars=True):
     tok_in = tok
     bshape, size = _batch_size(starts)
     if _touches_nothing(size, window.shape[len(bshape) :]):
@@ -336,8 +337,15 @@ def _accum_impl(storage, tok, window, *starts, ordered, nbatch=0):
     window = _flat(window, bshape)
     if size == 1 and tuple(window.shape[1:]) == tuple(storage.shape):
         # The whole buffer (the transpose of a whole-buffer read): see
-        # `added_in_halves` for why it is not a plain add.
-        return added_in_halves(storage, window[0], _index_zero(tok)), tok_in
+        # `added_in_halves` for why it is not a plain add. `scalars` says whether
+        # the window is computed from scalars (`computed_from_scalars`), which the
+        # halves take fused; a window written out anyway (a ring's rotated
+        # cotangent, a gather) is added faster in a single-trip loop: `delay_whole`
+        # 0.73-0.75x plain `lax` in the gradient that way, 0.83-0.95x in halves.
+        if scalars:
+            return added_in_halves(storage, window[0], _index_zero(tok)), tok_in
+        w = window[0].astype(storage.dtype)
+        return _loop(tok, 1, lambda j, s: s + w, storage), tok_in
     olds = None
     if ordered and size != 1:  # as in `_shift`: read the old windows in a loop first
         storage, olds, tok = _read_impl(storage, tok, *starts, sizes=window.shape[1:])
@@ -774,6 +782,8 @@ def _define(name: str, impl: Callable, abstract: Callable, n_arrays: int) -> Pri
             return [storage, window, tok]
         if not many:
             args = _after_deferred_reads(ctx, args)
+        if name == "esb_accum":
+            params = dict(params, scalars=computed_from_scalars(args[2]))
         return (split if many else plain)(ctx, *args, **params)
 
     # Not cacheable: JAX would lower each (primitive, types, parameters) once, in a

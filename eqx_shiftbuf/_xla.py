@@ -200,6 +200,38 @@ def added_in_halves(s, w, zero):
     return s
 
 
+# Operations XLA fuses into their consumers, computing each element where it is
+# used: an array computed by them from scalars is never written out.
+_ELEMENTWISE = frozenset(
+    f"stablehlo.{name}"
+    for name in (
+        "add subtract multiply divide negate abs convert select compare and or not "
+        "maximum minimum tanh exponential log sqrt rsqrt sine cosine reshape"
+    ).split()
+)
+
+
+def computed_from_scalars(value: ir.Value, depth: int = 8) -> bool:
+    """Whether `value` (during a lowering) is computed, in the function being
+    lowered, from scalars by broadcasts and elementwise operations (at most `depth`
+    deep): then XLA fuses its computation into its consumers and never writes it
+    out. Used by `added_in_halves`' caller to choose between the halves (which take
+    such a value fused) and a loop (faster for a value written out anyway)."""
+    t = ir.RankedTensorType(value.type)
+    if t.rank == 0:
+        return True
+    op = _operation(value.owner)
+    if op is None or depth == 0:
+        return False
+    if op.name in ("stablehlo.constant", "stablehlo.iota"):
+        return True
+    if op.name == "stablehlo.broadcast_in_dim":
+        return ir.RankedTensorType(op.operands[0].type).rank == 0
+    if op.name in _ELEMENTWISE:
+        return all(computed_from_scalars(o, depth - 1) for o in op.operands)
+    return False
+
+
 def bits_dtype(dtype) -> Any:
     """The unsigned integer dtype of the same width as `dtype`."""
     dtype = jnp.dtype(dtype)
@@ -404,11 +436,25 @@ def _marks(values) -> list:
     return out
 
 
+def _open(block: ir.Block) -> bool:
+    """Whether `block` is still being lowered: it has no terminator yet."""
+    ops = block.operations
+    n = len(ops)
+    return n == 0 or ops[n - 1].operation.name not in (
+        "func.return",
+        "stablehlo.return",
+    )
+
+
 def _all_marks(module) -> list:
+    """The marked windows of the deferred reads in blocks still being lowered:
+    those of the functions and loop bodies whose lowering called the function being
+    lowered. Reads in finished blocks (an earlier loop, the forward pass of a
+    gradient) cannot be followed by this access, and are left as they are."""
     out = []
 
     def visit(op):
-        if _DEFERRED_READ in op.attributes:
+        if _DEFERRED_READ in op.attributes and _open(op.block):
             out.append(op)
         return ir.WalkResult.ADVANCE
 
@@ -493,9 +539,9 @@ def materialise_deferred_reads(ctx, storage: ir.Value, reduced: Callable) -> lis
 
     These are the reads of `storage` and of the values it was passed on from
     (`_aliases`), and, when `storage` is an argument of a called function (a
-    `jax.jit` inside the program), every deferred read still in the program: its
-    caller's reads are not reachable from here, and their tokens, passed in, are
-    then made to wait for them. A read in another block (a `lax.cond` branch, a
+    `jax.jit` inside the program), every deferred read in a block still being
+    lowered (`_all_marks`): its caller's reads are not reachable from here, and
+    their tokens, passed in, are then made to wait for them. A read in another block (a `lax.cond` branch, a
     called function) is waited for through its token only. The search of the whole
     program is only for an access inside a called function, and costs a walk of
     the program lowered so far.

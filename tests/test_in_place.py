@@ -367,3 +367,31 @@ def test_a_long_line_shift_computes_its_value_once(shape, axis):
     assert fusions, "no fusion writes the buffer: the test checks nothing"
     for text in fusions:
         assert " sine(" not in text, text
+
+
+def _whiles_in_gradient(read_whole: bool) -> int:
+    def step(buf, x):
+        j, v, s = x
+        buf = buf.insert((j, 0), v)
+        if not read_whole:
+            return buf, v * s
+        buf, w = buf.read()
+        return buf, (w * s).sum()
+
+    def loss(a, s):
+        t = jnp.arange(8, dtype=jnp.int32)
+        xs = (t % 4, jnp.linspace(0.0, 1.0, 8), jnp.full((8,), s))
+        buf, ys = lax.scan(step, esb.ShiftBuffer.from_array(a), xs)
+        return (buf.array**2).sum() + ys.sum()
+
+    args = (jnp.ones((4, 32)), jnp.float32(0.5))
+    return (
+        jax.jit(jax.grad(loss, (0, 1))).lower(*args).as_text().count("stablehlo.while")
+    )
+
+
+def test_a_whole_window_cotangent_from_scalars_is_added_without_a_loop():
+    # The window's cotangent is a broadcast of a scalar: added in two in-place half
+    # updates into which XLA fuses it (`_xla.added_in_halves`), not in a loop whose
+    # operand XLA writes out first.
+    assert _whiles_in_gradient(read_whole=True) == _whiles_in_gradient(read_whole=False)
