@@ -98,9 +98,11 @@ from ._xla import (
     DEFERRABLE_DTYPES,
     deferred_read,
     explicit_sharding,
+    fold_cotangent_sum,
     from_carrier,
     loop_not_unrolled,
     lowered_without_explicit_shardings,
+    marked_onto_zeros,
     materialise_deferred_reads,
     on_several_devices,
     opaque_zero,
@@ -760,6 +762,12 @@ def _after_deferred_reads(ctx, args):
     return (storage, tok, *rest)
 
 
+def _accum_unordered(storage, tok, window, *starts, scalars):
+    """An unbatched accumulation, as `accum_p` lowers it (`fold_cotangent_sum`)."""
+    lowered = run_time_indices(_accum_impl, 3)
+    return lowered(storage, tok, window, *starts, ordered=False, scalars=scalars)
+
+
 def _define(name: str, impl: Callable, abstract: Callable, n_arrays: int) -> Primitive:
     p = Primitive(name)
     p.multiple_results = True
@@ -781,6 +789,10 @@ def _define(name: str, impl: Callable, abstract: Callable, n_arrays: int) -> Pri
             window, tok = deferred_read(storage, tok, starts, params["sizes"])
             return [storage, window, tok]
         if not many:
+            fold_cotangent_sum(ctx, args[0], _accum_unordered)
+            if name == "esb_accum" and params["nbatch"] == 0:
+                window, starts = marked_onto_zeros(args[0], args[2], args[3:])
+                args = (args[0], args[1], window, *starts)
             args = _after_deferred_reads(ctx, args)
         if name == "esb_accum":
             params = dict(params, scalars=computed_from_scalars(args[2]))

@@ -12,6 +12,7 @@ its docstring says what XLA does without it and which test fails if it goes:
 | `loop_not_unrolled` | removes a 1-trip loop and reorders what it kept apart |
 | `NO_WRAP` | materialises lax's negative-start wrap as a kernel per access |
 | `widened_write` | duplicates a lower-rank write into the next read: a copy |
+| `fold_cotangent_sum` / `marked_onto_zeros` | (with JAX) adds the two buffer-sized cotangents of a buffer a `dynamic_slice` leaves used twice out of place, fused into the next access's read: a copy |
 | `added_in_halves` | fuses a whole-buffer add into the next read and writes it out of place (a copy), or, in a loop, writes its operand out first |
 | `window2_edit` | the same, for a shift's single-line write |
 | `deferred_read` / `materialise_deferred_reads` | (with `window_by_reduce`) runs a reduction kernel per read that no write follows, where plain `lax` fuses the slice into its consumer |
@@ -198,6 +199,117 @@ def added_in_halves(s, w, zero):
         new = old + lax.slice_in_dim(w, lo, hi, axis=d)
         s = lax.dynamic_update_slice(s, new, starts, allow_negative_indices=False)
     return s
+
+
+# A read whose storage output is dropped (`dynamic_slice`, which returns the window
+# only) leaves its buffer used twice, so that under `jax.grad` JAX adds two
+# buffer-sized cotangents, the read's (its window's cotangent accumulated onto
+# zeros) and the rest's, with an `add_any` that XLA:CPU fuses into the next access's
+# read and writes out of place: a copy per step (`whole_ds`), and a buffer-sized add
+# for a one-row window. The accumulation onto zeros marks its window and starts;
+# the lowering of the next access of the sum turns `zeros + window` then `+ rest`
+# into the accumulation of the window into `rest`, in place.
+_ONTO_ZEROS_WINDOW = "esb.onto_zeros_window"
+_ONTO_ZEROS_STARTS = "esb.onto_zeros_starts"
+
+
+def _is_zeros(value: ir.Value) -> bool:
+    op = _operation(value.owner)
+    if op is None:
+        return False
+    if op.name == "stablehlo.broadcast_in_dim":
+        return _is_zeros(op.operands[0])
+    if op.name != "stablehlo.constant":
+        return False
+    attr = ir.DenseElementsAttr(op.attributes["value"])
+    if not attr.is_splat:
+        return False
+    splat = attr.get_splat_value()
+    if isinstance(splat, ir.FloatAttr):
+        return ir.FloatAttr(splat).value == 0.0
+    if isinstance(splat, ir.IntegerAttr):
+        return ir.IntegerAttr(splat).value == 0
+    return False
+
+
+def marked_onto_zeros(storage: ir.Value, window: ir.Value, starts) -> tuple:
+    """`(window, starts)` of an accumulation, marked for `fold_cotangent_sum` if
+    `storage` is zeros (`window` through a no-op `reshape`, `starts` through an
+    `optimization_barrier`, as `run_time_indices` puts them anyway); unchanged
+    otherwise."""
+    if not starts or not _is_zeros(storage):
+        return window, starts
+    w = hlo.ReshapeOp(window.type, window)
+    w.operation.attributes[_ONTO_ZEROS_WINDOW] = ir.UnitAttr.get()
+    b = hlo.OptimizationBarrierOp(list(starts))
+    b.operation.attributes[_ONTO_ZEROS_STARTS] = ir.UnitAttr.get()
+    return w.result, list(b.results)
+
+
+def _marked_ancestors(value: ir.Value, block, depth: int = 16) -> tuple:
+    """The marked window and starts operations among `value`'s ancestors in
+    `block`, at most `depth` operations up."""
+    window = starts = None
+    todo, seen = [(value, 0)], []
+    while todo:
+        v, d = todo.pop()
+        op = _operation(v.owner)
+        if op is None or op.block != block or d > depth or any(op == o for o in seen):
+            continue
+        seen.append(op)
+        if _ONTO_ZEROS_WINDOW in op.attributes:
+            window = window or op
+            continue
+        if _ONTO_ZEROS_STARTS in op.attributes:
+            starts = starts or op
+            continue
+        todo.extend((o, d + 1) for o in op.operands)
+    return window, starts
+
+
+def fold_cotangent_sum(ctx, storage: ir.Value, accum: Callable) -> None:
+    """If `storage` is JAX's sum of a buffer `rest` and an accumulation of a window
+    onto zeros (`marked_onto_zeros`), rewrite the sum, in place, into
+    `accum(rest, tok, window, *starts) -> (storage, tok)` plus zeros, which XLA
+    simplifies away. The sum's value, which JAX holds, keeps its meaning."""
+    add = _operation(storage.owner)
+    block = ir.InsertionPoint.current.block  # pyright: ignore[reportAttributeAccessIssue]
+    if add is None or add.name != "stablehlo.add" or add.block != block:
+        return
+    for k in (0, 1):
+        window_op, starts_op = _marked_ancestors(add.operands[k], block)
+        rest = add.operands[1 - k]
+        if window_op is None or rest.type != storage.type:
+            continue
+        window = window_op.operands[0]
+        if starts_op is not None:
+            starts = list(starts_op.operands)
+        elif window.type == storage.type:  # the whole buffer: its starts are unused
+            rank = ir.RankedTensorType(storage.type).rank
+            with ir.InsertionPoint(add):
+                starts = [mlir.ir_constant(jnp.int32(0)) for _ in range(rank)]
+        else:
+            continue
+        tok_aval = ShapedArray((), jnp.float32)
+        avals_in = [_aval_of(rest), tok_aval, _aval_of(window)] + [
+            _aval_of(i) for i in starts
+        ]
+        sub = ctx.replace(
+            primitive=None, avals_in=avals_in, avals_out=[avals_in[0], tok_aval]
+        )
+        fn = functools.partial(accum, scalars=computed_from_scalars(window))
+        with ir.InsertionPoint(add):
+            tok = mlir.ir_constant(jnp.float32(0))
+            new, _ = mlir.lower_fun(fn, multiple_results=True)(
+                sub, rest, tok, window, *starts
+            )
+            zero = mlir.ir_constant(jnp.zeros((), avals_in[0].dtype))
+            zeros = hlo.BroadcastInDimOp(
+                storage.type, zero, mlir.dense_int_array([])
+            ).result
+        add.operands[1 - k] = new
+        add.operands[k] = zeros
+        return
 
 
 # Operations XLA fuses into their consumers, computing each element where it is

@@ -20,6 +20,8 @@ from jax import lax
 import eqx_shiftbuf as esb
 from eqx_shiftbuf import _xla
 
+from .tape import loop_buffer_work
+
 
 ROWS, COLS, STEPS = 64, 256, 20
 
@@ -176,3 +178,27 @@ def test_values_and_gradients_equal_plain_lax(step):
     want = jax.jit(jax.value_and_grad(plain))(*_args())
     for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
         np.testing.assert_allclose(g, w, rtol=1e-6, atol=1e-6)
+
+
+def test_a_whole_window_reads_cotangent_is_added_in_place():
+    # `dynamic_slice` drops the read's buffer, which is then used twice: JAX adds
+    # the read's cotangent (the window's, accumulated onto zeros) to the rest's.
+    # For a window of the whole buffer XLA:CPU fused that add into the next pop's
+    # read and wrote it out of place (a copy per step); the next access folds it
+    # into an in-place accumulation (`_xla.fold_cotangent_sum`). (For a smaller
+    # window XLA itself turns the sum into an update of the window.)
+    def loss(s, a, xs):
+        def step(buf, x):
+            i, j, v = x
+            buf = buf.insert((j, 0), v)
+            w = buf.dynamic_slice((0, 0), (ROWS, COLS))
+            return buf, (w * s).sum()
+
+        buf, ys = lax.scan(step, esb.ShiftBuffer.from_array(a), xs)
+        return (buf.array**2).sum() + ys.sum()
+
+    a, xs = _args()
+    args = (jnp.float32(0.5), a.astype(jnp.float32), xs)
+    fn = jax.grad(loss, (0, 1))
+    work = loop_buffer_work(fn, args, f"f32[{ROWS},{COLS}]")
+    assert work == [], "\n".join(work)

@@ -38,10 +38,9 @@ def _program(row, mode, ops):
     return jit(fn), natural.args_for(r, mode, STEPS)
 
 
-# (row, mode) pairs with 0 per-step copies. Rows that copy as plain `lax` does (a
-# `lax.cond` on the carry; a whole-buffer `dynamic_slice` under grad) are not here:
-# see the README's known limits, and their alternatives `select_stack` and
-# `whole_read`.
+# (row, mode) pairs with 0 per-step copies. A row that copies as plain `lax` does (a
+# `lax.cond` on the carry) is not here: see the README's known limits, and its
+# alternative `select_stack`.
 IN_PLACE = [
     ("pyint", "fwd"),
     ("pyint", "grad"),
@@ -55,6 +54,10 @@ IN_PLACE = [
     ("two_lines", "jvp"),
     ("whole_ds", "fwd"),
     ("whole_ds", "jvp"),
+    # The two cotangents of the buffer a `dynamic_slice` leaves used twice are
+    # added in place (`_xla.fold_cotangent_sum`); plain `lax` copies under grad.
+    ("whole_ds", "grad"),
+    ("whole_ds", "vmap(grad)"),
     ("whole_read", "grad"),
     ("whole_array", "grad"),
     ("whole_array", "vmap(grad)"),
