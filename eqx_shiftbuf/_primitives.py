@@ -100,9 +100,11 @@ from ._xla import (
     explicit_sharding,
     fold_cotangent_sum,
     from_carrier,
+    is_zeros,
     loop_not_unrolled,
     lowered_without_explicit_shardings,
     marked_onto_zeros,
+    marked_onto_zeros_result,
     materialise_deferred_reads,
     on_several_devices,
     opaque_zero,
@@ -790,10 +792,17 @@ def _define(name: str, impl: Callable, abstract: Callable, n_arrays: int) -> Pri
             return [storage, window, tok]
         if not many:
             fold_cotangent_sum(ctx, args[0], _accum_unordered)
-            if name == "esb_accum" and params["nbatch"] == 0:
+            onto_zeros = (
+                name == "esb_accum" and params["nbatch"] == 0 and is_zeros(args[0])
+            )
+            if onto_zeros:
                 window, starts = marked_onto_zeros(args[0], args[2], args[3:])
                 args = (args[0], args[1], window, *starts)
             args = _after_deferred_reads(ctx, args)
+            if onto_zeros:
+                params = dict(params, scalars=computed_from_scalars(args[2]))
+                storage, tok = plain(ctx, *args, **params)
+                return [marked_onto_zeros_result(storage), tok]
         if name == "esb_accum":
             params = dict(params, scalars=computed_from_scalars(args[2]))
         return (split if many else plain)(ctx, *args, **params)

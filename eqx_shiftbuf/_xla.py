@@ -213,12 +213,13 @@ _ONTO_ZEROS_WINDOW = "esb.onto_zeros_window"
 _ONTO_ZEROS_STARTS = "esb.onto_zeros_starts"
 
 
-def _is_zeros(value: ir.Value) -> bool:
+def is_zeros(value: ir.Value) -> bool:
+    """Whether `value` (during a lowering) is a constant zero, or a broadcast of one."""
     op = _operation(value.owner)
     if op is None:
         return False
     if op.name == "stablehlo.broadcast_in_dim":
-        return _is_zeros(op.operands[0])
+        return is_zeros(op.operands[0])
     if op.name != "stablehlo.constant":
         return False
     attr = ir.DenseElementsAttr(op.attributes["value"])
@@ -237,7 +238,7 @@ def marked_onto_zeros(storage: ir.Value, window: ir.Value, starts) -> tuple:
     `storage` is zeros (`window` through a no-op `reshape`, `starts` through an
     `optimization_barrier`, as `run_time_indices` puts them anyway); unchanged
     otherwise."""
-    if not starts or not _is_zeros(storage):
+    if not starts:
         return window, starts
     w = hlo.ReshapeOp(window.type, window)
     w.operation.attributes[_ONTO_ZEROS_WINDOW] = ir.UnitAttr.get()
@@ -246,24 +247,35 @@ def marked_onto_zeros(storage: ir.Value, window: ir.Value, starts) -> tuple:
     return w.result, list(b.results)
 
 
-def _marked_ancestors(value: ir.Value, block, depth: int = 16) -> tuple:
-    """The marked window and starts operations among `value`'s ancestors in
-    `block`, at most `depth` operations up."""
+_ONTO_ZEROS_RESULT = "esb.onto_zeros_result"
+
+
+def marked_onto_zeros_result(result: ir.Value) -> ir.Value:
+    """`result`, the storage an accumulation marked by `marked_onto_zeros` returns,
+    through a marked no-op `reshape`: `fold_cotangent_sum` folds a sum only when
+    one of its operands is exactly such a result."""
+    op = hlo.ReshapeOp(result.type, result)
+    op.operation.attributes[_ONTO_ZEROS_RESULT] = ir.UnitAttr.get()
+    return op.result
+
+
+def _accumulation_marks(result: ir.Operation) -> tuple:
+    """The window and starts marks of the accumulation whose result mark is
+    `result`: the nearest before it in its block, as `_primitives` emits them in
+    one lowering, with only the accumulation's own operations between."""
+    ops = list(result.block.operations)
+    k = next(i for i, o in enumerate(ops) if o.operation == result)
     window = starts = None
-    todo, seen = [(value, 0)], []
-    while todo:
-        v, d = todo.pop()
-        op = _operation(v.owner)
-        if op is None or op.block != block or d > depth or any(op == o for o in seen):
-            continue
-        seen.append(op)
-        if _ONTO_ZEROS_WINDOW in op.attributes:
-            window = window or op
-            continue
-        if _ONTO_ZEROS_STARTS in op.attributes:
-            starts = starts or op
-            continue
-        todo.extend((o, d + 1) for o in op.operands)
+    for o in reversed(ops[:k]):
+        o = o.operation
+        if _ONTO_ZEROS_RESULT in o.attributes:
+            break  # another accumulation's: this one's marks are missing
+        if window is None and _ONTO_ZEROS_WINDOW in o.attributes:
+            window = o
+        if starts is None and _ONTO_ZEROS_STARTS in o.attributes:
+            starts = o
+        if window is not None and starts is not None:
+            break
     return window, starts
 
 
@@ -277,19 +289,20 @@ def fold_cotangent_sum(ctx, storage: ir.Value, accum: Callable) -> None:
     if add is None or add.name != "stablehlo.add" or add.block != block:
         return
     for k in (0, 1):
-        window_op, starts_op = _marked_ancestors(add.operands[k], block)
+        marked = _operation(add.operands[k].owner)
         rest = add.operands[1 - k]
-        if window_op is None or rest.type != storage.type:
+        if (
+            marked is None
+            or _ONTO_ZEROS_RESULT not in marked.attributes
+            or marked.block != block
+            or rest.type != storage.type
+        ):
+            continue
+        window_op, starts_op = _accumulation_marks(marked)
+        if window_op is None or starts_op is None:
             continue
         window = window_op.operands[0]
-        if starts_op is not None:
-            starts = list(starts_op.operands)
-        elif window.type == storage.type:  # the whole buffer: its starts are unused
-            rank = ir.RankedTensorType(storage.type).rank
-            with ir.InsertionPoint(add):
-                starts = [mlir.ir_constant(jnp.int32(0)) for _ in range(rank)]
-        else:
-            continue
+        starts = list(starts_op.operands)
         tok_aval = ShapedArray((), jnp.float32)
         avals_in = [_aval_of(rest), tok_aval, _aval_of(window)] + [
             _aval_of(i) for i in starts

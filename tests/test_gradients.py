@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from jax import lax
 from jax.test_util import check_grads
 
@@ -258,6 +258,9 @@ def _random_indices(rng, n_edits):
     kinds=st.lists(st.sampled_from(KINDS), min_size=1, max_size=3).map(tuple),
     seed=st.integers(0, 2**31 - 1),
 )
+# Two reads that drop their buffer: JAX sums three cotangents of it, and folding
+# the sum of two reads' accumulations as if it were one gave a wrong gradient.
+@example(kinds=("insert", "slice", "slice"), seed=0)
 def test_scan_of_random_edits_grad_matches_plain_autodiff(kinds, seed):
     lib, plain = _compiled(kinds)
     args = _random_case(kinds, seed)
@@ -291,6 +294,7 @@ def _checkpointed(f, init, xs):
     kinds=st.lists(st.sampled_from(KINDS), min_size=1, max_size=3).map(tuple),
     seed=st.integers(0, 2**31 - 1),
 )
+@example(kinds=("insert", "slice", "slice"), seed=0)  # as above; found here first
 def test_checkpointed_esb_scan_of_random_edits_grad_matches_plain_autodiff(kinds, seed):
     # The buffer is not stored at checkpoints: rerun steps replay what its
     # accesses returned (`eqx_shiftbuf/_tape.py`), for any sequence of edits.
