@@ -169,8 +169,9 @@ def read(
     lowering waits for the reads of the storage it writes), but one inside a nested
     `jax.jit` or `lax.cond` branch does not, and copies the buffer every step; a
     step that returns `x` after reading it adds, under `jax.grad`, a buffer-sized
-    cotangent every step unless an access of `x` follows the read. On a plain array, `x2` is the read's output array but
-    carries no token: carry a `ShiftBuffer` to order reads and writes.
+    cotangent every step unless an access of `x` follows the read. On a plain
+    array, `x2` is the read's output array but carries no token: carry a
+    `ShiftBuffer` to order reads and writes.
 
     **Arguments:** as for [`eqx_shiftbuf.dynamic_slice`][]; `start_indices` and
     `slice_sizes` are given together or not at all.

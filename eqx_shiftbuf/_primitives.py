@@ -346,9 +346,9 @@ def _accum_impl(storage, tok, window, *starts, ordered, nbatch=0, scalars=True):
         # halves take fused; a window written out anyway (a ring's rotated
         # cotangent, a gather) is added faster in a single-trip loop: `delay_whole`
         # 0.73-0.75x plain `lax` in the gradient that way, 0.83-0.95x in halves.
-        if scalars:
-            return added_in_halves(storage, window[0], _index_zero(tok)), tok_in
         w = window[0].astype(storage.dtype)
+        if scalars and max(storage.shape, default=0) >= 2:
+            return added_in_halves(storage, w, _index_zero(tok)), tok_in
         return _loop(tok, 1, lambda j, s: s + w, storage), tok_in
     olds = None
     if ordered and size != 1:  # as in `_shift`: read the old windows in a loop first
@@ -746,7 +746,7 @@ def _after_deferred_reads(ctx, args):
     """`args` with the token waiting for the deferred reads of the storage, now
     materialised (`materialise_deferred_reads`)."""
     storage, tok, *rest = args
-    waits = materialise_deferred_reads(ctx, storage, _reduced_read)
+    waits = materialise_deferred_reads(ctx, storage, _reduced_read, _read_token)
     if not waits:
         return args
 
@@ -790,6 +790,7 @@ def _define(name: str, impl: Callable, abstract: Callable, n_arrays: int) -> Pri
             storage, tok, *starts = args
             window, tok = deferred_read(storage, tok, starts, params["sizes"])
             return [storage, window, tok]
+        onto_zeros = False
         if not many:
             fold_cotangent_sum(ctx, args[0], _accum_unordered)
             onto_zeros = (
@@ -799,13 +800,12 @@ def _define(name: str, impl: Callable, abstract: Callable, n_arrays: int) -> Pri
                 window, starts = marked_onto_zeros(args[0], args[2], args[3:])
                 args = (args[0], args[1], window, *starts)
             args = _after_deferred_reads(ctx, args)
-            if onto_zeros:
-                params = dict(params, scalars=computed_from_scalars(args[2]))
-                storage, tok = plain(ctx, *args, **params)
-                return [marked_onto_zeros_result(storage), tok]
         if name == "esb_accum":
             params = dict(params, scalars=computed_from_scalars(args[2]))
-        return (split if many else plain)(ctx, *args, **params)
+        out = (split if many else plain)(ctx, *args, **params)
+        if onto_zeros:
+            out = [marked_onto_zeros_result(out[0]), *out[1:]]
+        return out
 
     # Not cacheable: JAX would lower each (primitive, types, parameters) once, in a
     # function of its own, and inline copies of it, so that a write's lowering

@@ -162,7 +162,8 @@ def widened_write(s, st, sizes, new_window):
 
 
 def added_in_halves(s, w, zero):
-    """`s + w` for a `w` of the shape of `s`, as two in-place updates of half of `s`.
+    """`s + w` for a `w` of the shape of `s`, as two in-place updates of half of `s`
+    along a dimension at least 2 long (which `s` must have).
 
     `zero` is an int32 run-time zero (from the access's token); it is passed through
     an `optimization_barrier` so that the halves' starts stay run-time values.
@@ -185,10 +186,8 @@ def added_in_halves(s, w, zero):
     `whole_read` and `whole_array` rows under grad); the time is
     `benchmarks/patterns.py`'s.
     """
-    d = next((i for i, n in enumerate(s.shape) if n >= 2), None)
+    d = next(i for i, n in enumerate(s.shape) if n >= 2)  # the caller checks
     w = w.astype(s.dtype)
-    if d is None:  # one element: no half to update, and nothing to fuse
-        return loop_not_unrolled(zero, 1, lambda _, s: s + w, s)
     zero = lax.optimization_barrier(zero)
     n = s.shape[d]
     for lo, hi in ((0, n // 2), (n // 2, n)):
@@ -617,10 +616,10 @@ def _aval_of(v: ir.Value) -> ShapedArray:
     raise TypeError(f"eqx_shiftbuf: no deferrable dtype has the MLIR type {t}")
 
 
-def _materialise(ctx, mark: ir.Operation, reduced: Callable):
+def _materialise(ctx, mark: ir.Operation, reduced: Callable, token_after: Callable):
     """Turn the deferred read whose window is `mark` into `reduced(storage,
     *starts, sizes=...) -> (window, bits)`, in its place, and its token hook into
-    the token plus a run-time zero made from `bits`. Returns `bits`."""
+    `token_after(token, bits)`, the token a read returns. Returns `bits`."""
     sliced = _operation(mark.operands[0].owner)
     assert sliced is not None
     barrier = _operation(sliced.operands[1].owner)
@@ -644,7 +643,7 @@ def _materialise(ctx, mark: ir.Operation, reduced: Callable):
     sliced.erase()
 
     def waited(tok, bits):
-        return [tok + opaque_zero(bits).astype(tok.dtype)]
+        return [token_after(tok, bits)]
 
     tok_aval = _aval_of(tok)
     sub = ctx.replace(
@@ -657,7 +656,9 @@ def _materialise(ctx, mark: ir.Operation, reduced: Callable):
     return bits, avals_out[1]
 
 
-def materialise_deferred_reads(ctx, storage: ir.Value, reduced: Callable) -> list:
+def materialise_deferred_reads(
+    ctx, storage: ir.Value, reduced: Callable, token_after: Callable
+) -> list:
     """Materialise (`_materialise`) the deferred reads that the access of `storage`
     being lowered may follow; return the `(bits, type)` of those in its block, which
     it must wait for.
@@ -666,10 +667,10 @@ def materialise_deferred_reads(ctx, storage: ir.Value, reduced: Callable) -> lis
     (`_aliases`), and, when `storage` is an argument of a called function (a
     `jax.jit` inside the program), every deferred read in a block still being
     lowered (`_all_marks`): its caller's reads are not reachable from here, and
-    their tokens, passed in, are then made to wait for them. A read in another block (a `lax.cond` branch, a
-    called function) is waited for through its token only. The search of the whole
-    program is only for an access inside a called function, and costs a walk of
-    the program lowered so far.
+    their tokens, passed in, are then made to wait for them. A read in another
+    block (a `lax.cond` branch, a called function) is waited for through its token
+    only. The search of the whole program is only for an access inside a called
+    function, and costs a walk of the program lowered so far.
     """
     module = ctx.module_context.module
     # (`current` is a class property, which the stubs type as `Final`.)
@@ -681,7 +682,7 @@ def materialise_deferred_reads(ctx, storage: ir.Value, reduced: Callable) -> lis
     for mark in marks:
         if _DEFERRED_READ not in mark.attributes:  # found twice
             continue
-        bits = _materialise(ctx, mark, reduced)
+        bits = _materialise(ctx, mark, reduced, token_after)
         if mark.block == block:
             waits.append(bits)
     return waits
