@@ -60,6 +60,16 @@ def _is_concrete_int(i: Any) -> bool:
     return isinstance(i, (int, np.integer)) and not isinstance(i, bool)
 
 
+def _static_entry(index: Any, pos: int, count: int) -> int | None:
+    """Entry `pos` of an index of `count` entries (checked already) as a Python
+    int, where the user gave it as one (a Python or NumPy int); else None."""
+    entries = list(index) if isinstance(index, (tuple, list)) else [index]
+    if len(entries) != count:
+        return None
+    entry = entries[pos]
+    return int(entry) if _is_concrete_int(entry) else None
+
+
 def _valid_values(bound: int, pos: int) -> str:
     """What the valid values of index entry `pos` are, as an error message says it."""
     if bound < 0:  # an insert/delete/pop index along a dimension of length 0
@@ -583,10 +593,20 @@ def logical(storage: jax.Array, ring: Ring | None, batch_shape=()) -> jax.Array:
     return _rotate(storage, head, len(batch_shape) + ring.axis)
 
 
-def _ring_read(b: Leaves, starts: list, sizes: tuple[int, ...], head: jax.Array):
-    """`(storage, window, token)`: the logical window of a ring at `starts`.
+def _ring_read(
+    b: Leaves,
+    starts: list,
+    sizes: tuple[int, ...],
+    head: jax.Array,
+    static: int | None = None,
+):
+    """`(storage, window, token)`: the logical window of a ring at `starts`, whose
+    entry along the ring's axis is the Python int `static` where the user gave one.
 
-    A window one element long along the ring's axis is one read; a whole line is
+    A window one element long along the ring's axis is one read (at a static
+    position, the read takes the head and the position as an offset: `read_p`'s
+    `wrap`, so that the reads of a delay line's taps save one residual a step
+    under `jax.grad` of a `lax.scan`, not one each); a whole line is
     read whole and rotated; otherwise the window may wrap around the end of the
     storage, and is read as the two windows of the same size at either end that
     hold it, whose concatenation it is a slice of.
@@ -597,6 +617,9 @@ def _ring_read(b: Leaves, starts: list, sizes: tuple[int, ...], head: jax.Array)
     p = _wrap(starts[ax] + head, cap)
     at = lambda q: starts[:ax] + [q] + starts[ax + 1 :]
     if n == 1:
+        if static is not None:
+            wrap = (ax, static, cap)
+            return P.bind_read(b.storage, b.token, at(b.ring.head), sizes, wrap=wrap)
         return P.bind_read(b.storage, b.token, at(p), sizes)
     if n == cap:
         storage, window, tok = P.bind_read(b.storage, b.token, at(p * 0), sizes)
@@ -692,8 +715,9 @@ def read_window(
         error=b.error,
     )
     head = _ring_head(b.ring)
-    if head is not None and math.prod(sizes) > 0:
-        storage, window, tok = _ring_read(b, starts, sizes, head)
+    if head is not None and b.ring is not None and math.prod(sizes) > 0:
+        static = _static_entry(start_indices, b.ring.axis, len(sizes))
+        storage, window, tok = _ring_read(b, starts, sizes, head, static)
     else:
         storage, window, tok = P.bind_read(b.storage, b.token, starts, sizes)
     return b._replace(storage=storage, error=error, token=tok), window

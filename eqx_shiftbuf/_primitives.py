@@ -245,7 +245,20 @@ def _reduce_read(storage, size: int, sizes: Sequence[int]) -> int | None:
     return _pair_dim(sizes, storage.shape)
 
 
-def _read_impl(storage, tok, *starts, sizes, nbatch=0):
+def wrapped_starts(starts, wrap):
+    """`starts` with the ring start `wrap = (axis, offset, capacity)` resolved:
+    `starts[axis]` is a ring's head (float32 or int, in `[0, capacity)`), and the
+    start along `axis` is `(head + offset) % capacity`. Without `wrap`, `starts`."""
+    if wrap is None:
+        return list(starts)
+    axis, offset, cap = wrap
+    p = starts[axis].astype(jnp.int32) + offset
+    p = jnp.where(p >= cap, p - cap, p)
+    return [*starts[:axis], p, *starts[axis + 1 :]]
+
+
+def _read_impl(storage, tok, *starts, sizes, nbatch=0, wrap=None):
+    starts = wrapped_starts(starts, wrap)
     bshape, size = _batch_size(starts)
     if _touches_nothing(size, sizes):
         out = jnp.zeros(bshape + tuple(sizes), storage.dtype)
@@ -324,7 +337,7 @@ def _batch_aval(storage, shape, dtype, nbatch: int) -> ShapedArray:
     return storage.update(shape=tuple(shape), dtype=dtype, sharding=sharding)
 
 
-def _read_abstract(storage, tok, *starts, sizes, nbatch):
+def _read_abstract(storage, tok, *starts, sizes, nbatch, wrap=None):
     bshape = tuple(starts[0].shape) if starts else ()
     return (
         storage,
@@ -720,7 +733,7 @@ def _pop_abstract(storage, tok, *idx, axis, fill, read, ordered, nbatch):
 # Definitions.
 
 
-def _deferrable(ctx, *, sizes, nbatch) -> bool:
+def _deferrable(ctx, *, sizes, nbatch, wrap=None) -> bool:
     """Whether a read may be lowered as a plain slice (`deferred_read`): when
     `_read_impl` would read it through a reduction, of a dtype XLA:CPU moves exactly
     (`DEFERRABLE_DTYPES`)."""
@@ -764,6 +777,23 @@ def _after_deferred_reads(ctx, args):
     return (storage, tok, *rest)
 
 
+def _with_wrapped_starts(ctx, args, wrap):
+    """`(ctx, args)` for a read's operands with its ring start resolved
+    (`wrapped_starts`, lowered in line), `ctx` with their types."""
+    storage, tok, *starts = args
+    avals = ctx.avals_in[2:]
+    out_avals = [
+        a.update(dtype=jnp.dtype(jnp.int32)) if k == wrap[0] else a
+        for k, a in enumerate(avals)
+    ]
+    sub = ctx.replace(primitive=None, avals_in=avals, avals_out=out_avals)
+    at = mlir.lower_fun(lambda *st: wrapped_starts(st, wrap), multiple_results=True)(
+        sub, *starts
+    )
+    ctx = ctx.replace(avals_in=[*ctx.avals_in[:2], *out_avals])
+    return ctx, (storage, tok, *at)
+
+
 def _accum_unordered(storage, tok, window, *starts, scalars):
     """An unbatched accumulation, as `accum_p` lowers it (`fold_cotangent_sum`)."""
     lowered = run_time_indices(_accum_impl, 3)
@@ -786,6 +816,8 @@ def _define(name: str, impl: Callable, abstract: Callable, n_arrays: int) -> Pri
 
     def lowering(ctx, *args, **params):
         many = params["nbatch"] > 0 and on_several_devices(ctx)
+        if params.get("wrap") is not None:  # the start resolved first
+            ctx, args = _with_wrapped_starts(ctx, args, params.pop("wrap"))
         if not many and name == "esb_read" and _deferrable(ctx, **params):
             storage, tok, *starts = args
             window, tok = deferred_read(storage, tok, starts, params["sizes"])
@@ -871,12 +903,23 @@ def _needs_order(storage, ordered: bool) -> bool:
     return ordered or _written_by_a_write(storage)
 
 
-def bind_read(storage, tok, starts, sizes, nbatch=0):
+def bind_read(storage, tok, starts, sizes, nbatch=0, wrap=None):
     """`(storage, window, token)`.
 
     `nbatch` (every helper here): how many leading dimensions of the storage are
     batch dimensions, each indexed by its batch position (`_batch_common`), which
-    a sharded program splits over devices (`_partitioned`)."""
+    a sharded program splits over devices (`_partitioned`).
+
+    `wrap = (axis, offset, capacity)`: a read of a ring, whose start along `axis`
+    is `(starts[axis] + offset) % capacity`, `starts[axis]` the ring's head
+    (`wrapped_starts`). The read's tangent takes the head, not the start: under
+    `jax.grad` of a `lax.scan`, the reads of a ring at static offsets (a delay
+    line's taps) then save one residual per step, the head, where each would save
+    its own start (a stacking kernel per read per step)."""
+    if wrap is not None:
+        return read_p.bind(
+            storage, tok, *starts, sizes=tuple(sizes), nbatch=nbatch, wrap=wrap
+        )
     return read_p.bind(storage, tok, *starts, sizes=tuple(sizes), nbatch=nbatch)
 
 
@@ -1024,13 +1067,13 @@ def _all_zero(*ts):
     return all(type(t) is ad.Zero for t in ts)
 
 
-def _read_jvp(primals, tangents, *, sizes, nbatch):
+def _read_jvp(primals, tangents, *, sizes, nbatch, wrap=None):
     storage, tok, *starts = primals
-    out = read_p.bind(storage, tok, *starts, sizes=sizes, nbatch=nbatch)
+    out = bind_read(storage, tok, starts, sizes, nbatch, wrap)
     ts, tt = tangents[0], tangents[1]
     if type(ts) is ad.Zero:
         return out, [_zero_tangent(out[0]), _zero_tangent(out[1]), tt]
-    return out, list(bind_read(ts, _inst(tt, tok), starts, sizes, nbatch))
+    return out, list(bind_read(ts, _inst(tt, tok), starts, sizes, nbatch, wrap))
 
 
 def _accum_jvp(primals, tangents, *, ordered, nbatch):
@@ -1124,14 +1167,15 @@ def _tok_ct(tok, ct):
     return ct if ad.is_undefined_primal(tok) else None
 
 
-def _read_transpose(cts, storage, tok, *starts, sizes, nbatch):
+def _read_transpose(cts, storage, tok, *starts, sizes, nbatch, wrap=None):
     ct_s, ct_w, ct_t = cts
     if _all_zero(ct_s, ct_w):
         return [ad.Zero(_aval(storage)), _tok_ct(tok, ct_t)] + [None] * len(starts)
     ct_s = _ct_or_zeros(ct_s, _aval(storage))
     t = _ct_or_zeros(ct_t, _aval(tok))
     if type(ct_w) is not ad.Zero:
-        ct_s, t = bind_accum(ct_s, t, ct_w, starts, nbatch=nbatch)
+        at = wrapped_starts(starts, wrap)
+        ct_s, t = bind_accum(ct_s, t, ct_w, at, nbatch=nbatch)
     return [ct_s, _tok_ct(tok, t)] + [None] * len(starts)
 
 
@@ -1254,7 +1298,10 @@ def _tdim(tok) -> int | None:
     return 0 if jnp.ndim(tok) else None
 
 
-def _read_batch(args, dims, *, sizes, nbatch):
+def _read_batch(args, dims, *, sizes, nbatch, wrap=None):
+    if wrap is not None:  # the start resolved, on the batch of heads
+        storage, tok, *starts = args
+        args = (storage, tok, *wrapped_starts(starts, wrap))
     storage, tok, _, idx, sb = _batch_common(args, dims, 0, write=False)
     if sb:
         sizes = (1,) + tuple(sizes)

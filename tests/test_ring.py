@@ -231,3 +231,164 @@ def test_shifts_and_writes_move_every_bit_pattern(dtype, lines):
     for g, e in zip(got, expected, strict=True):
         g, e = np.asarray(g), np.asarray(e, dtype)
         assert g.tobytes() == e.tobytes()
+
+
+# ---------------------------------------------------------------------------
+# Reads of a ring at static positions (a delay line's taps) take the head and the
+# position as an offset (`read_p`'s `wrap`): the same values and derivatives as a
+# read at the computed start, and under `jax.grad` of a `lax.scan` one residual a
+# step (the head) instead of one start per tap.
+
+TAPS = (0, 1, 3, 5)
+
+
+def _frame(v, shape):
+    return jnp.tanh(v + jnp.arange(np.prod(shape), dtype=v.dtype).reshape(shape))
+
+
+def _delay_step(taps, traced_tap: bool = False):
+    def step(b, x):
+        v, c = x
+        k = b.shape[0]
+        b = b.insert(0, _frame(v, b.shape[1:]))
+        y = jnp.zeros((), v.dtype)
+        for t in taps:
+            b, w = b.read((t,) + (0,) * (b.ndim - 1), (1,) + b.shape[1:])
+            y = y + jnp.sin(v * w).sum()
+        if traced_tap:
+            b, w = b.read((c % k,) + (0,) * (b.ndim - 1), (1,) + b.shape[1:])
+            y = y + (v * w).sum()
+        return b, y
+
+    return step
+
+
+def _delay_step_plain(taps, traced_tap: bool = False):
+    def step(a, x):
+        v, c = x
+        k = a.shape[0]
+        frame = _frame(v, a.shape[1:])
+        a = jnp.concatenate([frame[None], a[:-1]])
+        y = jnp.zeros((), v.dtype)
+        for t in taps:
+            y = y + jnp.sin(v * a[t : t + 1]).sum()
+        if traced_tap:
+            w = lax.dynamic_slice_in_dim(a, c % k, 1)
+            y = y + (v * w).sum()
+        return a, y
+
+    return step
+
+
+def _delay_loss(step, wrap):
+    def loss(a, v, c):
+        carry, ys = lax.scan(step, wrap(a), (v, c))
+        arr = carry.array if isinstance(carry, esb.ShiftBuffer) else carry
+        return (arr**2).sum() + ys.sum()
+
+    return loss
+
+
+def _delay_args(shape, steps=9, seed=3):
+    rng = np.random.default_rng(seed)
+    a = jnp.asarray(rng.standard_normal(shape), jnp.float32)
+    v = jnp.asarray(rng.standard_normal(steps), jnp.float32)
+    c = jnp.asarray(rng.integers(0, shape[0], steps), jnp.int32)
+    return a, v, c
+
+
+def _under(mode, loss):
+    if mode == "fwd":
+        return loss
+    if mode == "grad":
+        return jax.grad(loss, argnums=(0, 1))
+    if mode == "jvp":
+        return lambda a, v, c: jax.jvp(lambda a, v: loss(a, v, c), (a, v), (a, v))
+    if mode == "vmap(grad)":
+        return jax.vmap(jax.grad(loss, argnums=(0, 1)), in_axes=(0, None, 0))
+    assert mode == "jvp(vmap)"
+    vl = jax.vmap(loss, in_axes=(0, None, 0))
+    return lambda a, v, c: jax.jvp(lambda a, v: vl(a, v, c), (a, v), (a, v))
+
+
+def _batched(mode, args):
+    if "vmap" not in mode:
+        return args
+    a, v, c = args
+    a = jnp.stack([a + k for k in range(3)])
+    c = jnp.stack([(c + k) % a.shape[1] for k in range(3)])
+    return a, v, c
+
+
+@pytest.mark.parametrize("mode", ["fwd", "grad", "jvp", "vmap(grad)", "jvp(vmap)"])
+@pytest.mark.parametrize("shape", [(8, 3), (8,)], ids=["frames", "flat"])
+@pytest.mark.parametrize("traced_tap", [False, True], ids=["static", "mixed"])
+def test_static_taps_of_a_ring_match_plain_lax(mode, shape, traced_tap):
+    args = _batched(mode, _delay_args(shape))
+    lib = _delay_loss(_delay_step(TAPS, traced_tap), lambda a: esb.ShiftBuffer(a, 0))
+    plain = _delay_loss(_delay_step_plain(TAPS, traced_tap), lambda a: a)
+    got = jax.jit(_under(mode, lib))(*args)
+    want = jax.jit(_under(mode, plain))(*args)
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5)
+
+
+def test_static_taps_of_a_ring_match_finite_differences():
+    a, v, c = _delay_args((8, 3))
+    loss = _delay_loss(_delay_step(TAPS, True), lambda a: esb.ShiftBuffer(a, 0))
+    with jax.enable_x64():
+        a, v = a.astype(jnp.float64), v.astype(jnp.float64)
+        f = jax.jit(lambda a, v: loss(a, v, c))
+        check_grads(f, (a, v), order=2, modes=("fwd", "rev"), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [jnp.int32, jnp.bfloat16, jnp.float16])
+def test_static_taps_of_a_ring_read_the_line_of_every_dtype(dtype):
+    # Eager and jitted; bfloat16 reads through a reduction, the others as slices.
+    a = jnp.arange(8 * 2).reshape(8, 2).astype(dtype)
+
+    def taps(a):
+        b = esb.ShiftBuffer(a, axis=0)
+        for i in range(3):  # the head moves: 8 - 3 = 5
+            b = b.insert(0, jnp.full((2,), 100 + i, dtype))
+        return [b.dynamic_slice((t, 0), (1, 2)) for t in range(8)]
+
+    want = np.asarray(a)
+    for i in range(3):
+        want = ref.insert(want, (0,), np.full((2,), 100 + i, want.dtype), 0)
+    for got in (taps(a), jax.jit(taps)(a)):
+        for t, w in enumerate(got):
+            np.testing.assert_array_equal(np.asarray(w), want[t : t + 1])
+
+
+def test_static_taps_of_a_batch_of_rings_with_different_heads():
+    a = jnp.arange(6 * 2, dtype=jnp.float32).reshape(6, 2)
+    counts = jnp.asarray([0, 1, 4, 7])
+
+    def taps(n):
+        b = esb.ShiftBuffer(a, axis=0)
+        b = lax.fori_loop(0, n, lambda i, b: b.insert(0, jnp.full(2, i, a.dtype)), b)
+        return jnp.concatenate([b.dynamic_slice((t, 0), (1, 2)) for t in (0, 2, 5)])
+
+    got = jax.jit(jax.vmap(taps))(counts)
+    for k, n in enumerate(np.asarray(counts)):
+        want = np.asarray(a)
+        for i in range(n):
+            want = ref.insert(want, (0,), np.full(2, i, np.float32), 0)
+        np.testing.assert_array_equal(np.asarray(got[k]), want[[0, 2, 5]])
+
+
+def _per_step_residuals(taps) -> int:
+    """How many arrays with one entry per step `jax.vjp` of a delay line's scan
+    saves for its backward pass."""
+    args = _delay_args((8, 3))
+    loss = _delay_loss(_delay_step(taps), lambda a: esb.ShiftBuffer(a, 0))
+    _, vjp = jax.vjp(lambda a, v: loss(a, v, args[2]), *args[:2])
+    steps = args[1].shape[0]
+    return sum(1 for r in jax.tree.leaves(vjp) if r.shape == (steps,))
+
+
+def test_static_taps_of_a_ring_save_one_position_a_step_under_grad():
+    # Each read at a start computed from the head saved its own start: one
+    # residual per tap per step, a stacking kernel each in the compiled loop.
+    assert _per_step_residuals((0, 1, 2, 3, 4, 5)) == _per_step_residuals((0,))
