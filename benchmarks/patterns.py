@@ -2,7 +2,7 @@
 
     python benchmarks/patterns.py [--rows pyint,delay_taps] [--modes fwd,grad]
                                   [--no-time] [--steps 100] [--repeat 5]
-                                  [--hlo ROW MODE FILE]
+                                  [--split] [--hlo ROW MODE FILE]
 
 Each row is a step body written the way a user writes it without thinking about XLA
 (Python-int indices, a delay line, one line, a 1-D buffer, a whole-buffer read, a
@@ -14,7 +14,15 @@ for the same step in plain `lax`/`jnp` on an array carry; then, unless `--no-tim
 the forward and gradient times of both and their ratio (library / plain, measured
 in one run: compare within a run, not across runs), and for the library with
 `mode="promise_in_bounds"` its forward over plain lax's (`p.fwd`) and its gradient
-over its forward (`p.g/f`): issue 13 asks for at most 1.1 and 4.
+over its forward (`p.g/f`): issue 13 asks for at most 1.1 and 4. `s.g/f` is the
+same ratio for the same step, `promise_in_bounds`, under `esb.scan` (checkpointed,
+default checkpoints) instead of `lax.scan`: "-" for the rows already scanned so.
+
+`--split` adds the gradient's forward pass alone (`jax.vjp`, returning the
+residuals it saves so that XLA keeps them) and its backward pass alone (the
+returned function applied to the loss's cotangent), for the library with `promise_in_bounds` (`p.pass`, `p.bwd`) and
+for plain `lax` (`l.pass`, `l.bwd`): under `lax.scan`, the forward pass saves every
+step's residuals, one stacking kernel each.
 
 The loss is the corpus's (`corpus.make_loss`): the sum of the per-step outputs plus
 a function of the final buffer, differentiated with respect to the parameter and
@@ -28,16 +36,19 @@ the buffers become a batch of 4 buffers from the first write.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 import time
 from pathlib import Path
 
 import jax
+from jax import lax
 
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 
+import eqx_shiftbuf as esb  # noqa: E402
 from tests.corpus import ESB_PROMISE  # noqa: E402
 from tests.natural import (  # noqa: E402  (the rows the tests check)
     args_for,
@@ -69,19 +80,64 @@ def _time(fn, args, repeat: int) -> float:
     return best * 1e3
 
 
-def times(row: Row, steps: int, repeat: int) -> dict[tuple[str, str], float]:
-    """`(version, mode) -> ms` for fwd and grad, the versions' batches interleaved."""
+def _checkpointed(row: Row) -> Row | None:
+    """`row` under checkpointed `esb.scan` (None if it already is)."""
+    if row.scan is not lax.scan:
+        return None
+    return dataclasses.replace(row, scan=lambda f, c, xs: esb.scan(f, c, xs))
+
+
+def _forward_pass(loss):
+    """The forward pass of `jax.grad(loss)`: the loss and the residuals it saves
+    for the backward pass (returned, so that XLA keeps them)."""
+
+    def fn(p, a, xs):
+        return jax.vjp(lambda p, a: loss(p, a, xs), p, a)
+
+    return fn
+
+
+@jax.jit
+def _backward_pass(out_and_vjp, args):
+    """The backward pass of the gradient whose forward pass (`_forward_pass`)
+    returned `out_and_vjp`: the cotangent 1 of the loss pulled back."""
+    del args
+    out, vjp = out_and_vjp
+    return vjp(jax.numpy.ones_like(out))
+
+
+def times(
+    row: Row, steps: int, repeat: int, split: bool = False
+) -> dict[tuple[str, str], float]:
+    """`(version, mode) -> ms` for fwd and grad, the versions' batches interleaved:
+    the library (checked, and with `promise_in_bounds`), plain `lax`, and the
+    library with `promise_in_bounds` under checkpointed `esb.scan` ("scan"). With
+    `split`, also `"pass"`: the gradient's forward pass alone, for the promise
+    version and plain `lax`."""
     fns = {}
     for name, ops in (("esb", ESB), ("promise", ESB_PROMISE), ("plain", PLAIN)):
         for mode in ("fwd", "grad"):
             fns[name, mode] = jax.jit(
                 program(mode, make_loss(row, ops), row.batch_init)
             )
+        if split and name != "esb":
+            fns[name, "pass"] = jax.jit(_forward_pass(make_loss(row, ops)))
+            fns[name, "bwd"] = _backward_pass
+    ck = _checkpointed(row)
+    if ck is not None:
+        for mode in ("fwd", "grad"):
+            fns["scan", mode] = jax.jit(
+                program(mode, make_loss(ck, ESB_PROMISE), row.batch_init)
+            )
     args = args_for(row, "fwd", steps)
     out = {k: float("inf") for k in fns}
     for _ in range(repeat):  # interleave, so that a slow spell hits all a little
         for k, fn in fns.items():
-            out[k] = min(out[k], _time(fn, args, 1))
+            if k[1] == "bwd":  # on the residuals of the version's forward pass
+                a = (fns[k[0], "pass"](*args), args)
+            else:
+                a = args
+            out[k] = min(out[k], _time(fn, a, 1))
     return out
 
 
@@ -98,6 +154,11 @@ def main(argv=None) -> None:
     ap.add_argument("--no-time", action="store_true")
     ap.add_argument("--no-plain", action="store_true", help="skip plain lax's copies")
     ap.add_argument("--verbose", action="store_true", help="print each copy")
+    ap.add_argument(
+        "--split",
+        action="store_true",
+        help="also time the gradient's forward pass alone (promise and plain)",
+    )
     ap.add_argument("--hlo", nargs=3, metavar=("ROW", "MODE", "FILE"))
     a = ap.parse_args(argv)
 
@@ -120,8 +181,10 @@ def main(argv=None) -> None:
     if not a.no_time:
         head += (
             f" {'fwd ms':>7} {'plain':>7} {'ratio':>6} {'grad ms':>8} {'plain':>8}"
-            f" {'ratio':>6} {'p.fwd':>6} {'p.g/f':>6}"
+            f" {'ratio':>6} {'p.fwd':>6} {'p.g/f':>6} {'s.g/f':>6}"
         )
+        if a.split:
+            head += f" {'p.pass':>7} {'p.bwd':>6} {'l.pass':>7} {'l.bwd':>6}"
     print(head)
     for row in rows:
         cells = []
@@ -136,15 +199,23 @@ def main(argv=None) -> None:
             cells.append(f"{_fmt(lib)}/{_fmt(plain)}")
         line = f"{row.name:12} " + " ".join(f"{c:>11}" for c in cells)
         if not a.no_time:
-            t = times(row, a.steps, a.repeat)
+            t = times(row, a.steps, a.repeat, a.split)
+            s_gf = (
+                f"{t['scan', 'grad'] / t['scan', 'fwd']:6.2f}"
+                if ("scan", "fwd") in t
+                else f"{'-':>6}"
+            )
             line += (
                 f" {t['esb', 'fwd']:7.3f} {t['plain', 'fwd']:7.3f}"
                 f" {t['esb', 'fwd'] / t['plain', 'fwd']:6.2f}"
                 f" {t['esb', 'grad']:8.3f} {t['plain', 'grad']:8.3f}"
                 f" {t['esb', 'grad'] / t['plain', 'grad']:6.2f}"
                 f" {t['promise', 'fwd'] / t['plain', 'fwd']:6.2f}"
-                f" {t['promise', 'grad'] / t['promise', 'fwd']:6.2f}"
+                f" {t['promise', 'grad'] / t['promise', 'fwd']:6.2f} {s_gf}"
             )
+            if a.split:
+                for v in ("promise", "plain"):
+                    line += f" {t[v, 'pass']:7.3f} {t[v, 'bwd']:6.3f}"
         print(line, flush=True)
         if a.verbose:
             for mode, c in details:
