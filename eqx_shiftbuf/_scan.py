@@ -772,7 +772,9 @@ def scan(
       reverse pass replays that, so no step loads or stores the whole buffer.
       This is chosen per buffer when the record takes no more memory than storing
       the buffer at the checkpoints; a buffer also used otherwise (`buf.array`)
-      is stored.
+      is stored. A stored buffer is copied at every store and at every reversed
+      step; when the step's edits are cheap and it reads the whole buffer, fewer
+      checkpoints than the default are faster (see `docs/layout.md`).
     - `buffers`: as in `equinox.internal.scan`: a function from `init` to the array
       leaves (one, or a sequence) of the carry that are *write-once* buffers: each
       position written at most once, and read only after it is written (or never
