@@ -81,6 +81,13 @@ def _insert_pop_1d(ops, b, x, p):
     return b, removed * p["s"]
 
 
+def _insert_delete_1d(ops, b, x, p):
+    """Two shifts with nothing read between them: an insert, then a delete."""
+    b = ops.insert(b, x["c"][0], jnp.sin(p["s"] * x["v"]))
+    b = ops.delete(b, x["c"][1])
+    return b, p["s"] * x["v"]
+
+
 def _frame(p, x, d):
     return jnp.tanh(p["s"] * x["v"] + jnp.arange(d, dtype=jnp.float32))
 
@@ -316,6 +323,15 @@ ROWS = (
         "one_d",
         "1-D (4096,), traced insert + pop",
         _insert_pop_1d,
+        (4096,),
+        0,
+        1,
+        4096,
+    ),
+    Row(
+        "one_d_del",
+        "1-D (4096,), traced insert + delete (no read between the shifts)",
+        _insert_delete_1d,
         (4096,),
         0,
         1,

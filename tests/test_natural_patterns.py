@@ -96,6 +96,7 @@ def test_no_per_iteration_copies(row, mode):
         "pyint",
         "one_line",
         "one_d",
+        "one_d_del",
         "two_lines",
         "whole_ds",
         "whole_array",
