@@ -109,6 +109,7 @@ from ._xla import (
     on_several_devices,
     opaque_zero,
     pick_by_max,
+    rolled_by_reduce,
     run_time_indices,
     split_over_devices,
     to_carrier,
@@ -445,36 +446,49 @@ def _write_line(s, start, new, axis):
     return lax.dynamic_update_slice(s, new, start)
 
 
-def _positions(line, col, head):
-    """The logical position along axis 0 of each element of `line`: its index, or,
-    in a ring whose logical position 0 is at index `head`, its index - `head`
+def _positions(line, col, head, ax: int = 0):
+    """The logical position along axis `ax` of each element of `line`: its index,
+    or, in a ring whose logical position 0 is at index `head`, its index - `head`
     modulo the length."""
-    pos = lax.broadcasted_iota(col.dtype, line.shape, 0)
+    pos = lax.broadcasted_iota(col.dtype, line.shape, ax)
     if head is None:
         return pos
     head = _materialised(head.astype(col.dtype), line)
-    return jnp.where(pos >= head, pos - head, pos - head + line.shape[0])
+    return jnp.where(pos >= head, pos - head, pos - head + line.shape[ax])
 
 
-def _shift_right(line, col, v, head=None):
+def _rolled(line, shift: int, ax: int | None):
+    """`jnp.roll(line, shift)` along axis 0, or, where `line` is the whole buffer,
+    along its axis `ax`, materialised (`rolled_by_reduce`) for the dtypes it reads
+    exactly."""
+    if ax is None:
+        return jnp.roll(line, shift, 0)
+    if jnp.issubdtype(line.dtype, jnp.complexfloating):
+        return jnp.roll(line, shift, ax)
+    return rolled_by_reduce(line, shift, ax)
+
+
+def _shift_right(line, col, v, head=None, ax: int | None = None):
     """`line` with `v` inserted at logical position `col` (axis 0), its last
     element dropped. `jnp.roll` wraps, so in a ring (`head`) the element at the
-    head's left, logically last, is the one overwritten."""
+    head's left, logically last, is the one overwritten. With `ax`, `line` is the
+    whole buffer, shifted along its axis `ax` (`_shift`)."""
     col, v = _materialised(col, line), _materialised(v, line)
-    pos = _positions(line, col, head)
-    return jnp.where(pos < col, line, jnp.where(pos == col, v, jnp.roll(line, 1, 0)))
+    pos = _positions(line, col, head, 0 if ax is None else ax)
+    rolled = _rolled(line, 1, ax)
+    return jnp.where(pos < col, line, jnp.where(pos == col, v, rolled))
 
 
-def _shift_left(line, col, fill, head=None):
+def _shift_left(line, col, fill, head=None, ax: int | None = None):
     """`line` with the element at logical position `col` (axis 0) removed, `fill`
-    added at the (logical) end."""
+    added at the (logical) end. `ax`: as for `_shift_right`."""
     col = _materialised(col, line)
-    pos = _positions(line, col, head)
+    a = 0 if ax is None else ax
+    pos = _positions(line, col, head, a)
     fillv = jnp.asarray(fill, line.dtype)
-    last = line.shape[0] - 1
-    return jnp.where(
-        pos < col, line, jnp.where(pos == last, fillv, jnp.roll(line, -1, 0))
-    )
+    last = line.shape[a] - 1
+    rolled = _rolled(line, -1, ax)
+    return jnp.where(pos < col, line, jnp.where(pos == last, fillv, rolled))
 
 
 def _windowed(storage, size: int, axis: int) -> bool:
@@ -501,6 +515,16 @@ def _shift(storage, tok, idx, axis, new_line, ordered, want_lines=False):
     docstring). `want_lines` forces that loop, to return the lines as read.
     """
     bshape, size = _batch_size(idx)
+    if _whole_line(storage, size, axis) and not want_lines:
+        # The line is the whole buffer: shifted in its own shape, along `axis`,
+        # with its roll materialised (`rolled_by_reduce`), so that the `select`
+        # reads the buffer and the roll at the positions it writes, in place. Read
+        # as a slice and reshaped, a `(1, n)` line's `select` kernel ended in a
+        # reshape, and XLA:CPU wrote it out of place (a copy per step).
+        def whole(j, s, idx):
+            return new_line(j, s, _element(idx, j)[-1], axis).astype(s.dtype)
+
+        return _write(tok, size, whole, storage, idx), None
     lines = None
     window = _windowed(storage, size, axis)
     if window and not want_lines:
@@ -606,13 +630,21 @@ def _insert_impl(storage, tok, value, *idx, axis, ordered, nbatch=0):
     # `carrier`), or XLA:CPU drops the NaN payloads of bfloat16 and float8 lines.
     dtype, storage, value = storage.dtype, to_carrier(storage), to_carrier(value)
     value, heads = _flat(value, bshape), _heads(head, bshape)
-    new_line = lambda j, line, col: _shift_right(line, col, _take(value, j), heads(j))
+    new_line = lambda j, line, col, ax=None: _shift_right(
+        line, col, _take(value, j), heads(j), ax
+    )
     storage = _shift(storage, tok, idx, axis, new_line, ordered)[0]
     return from_carrier(storage, dtype), tok
 
 
 def _insert_abstract(storage, tok, value, *idx, axis, ordered, nbatch):
     return storage, tok
+
+
+def _whole_line(storage, size: int, axis: int) -> bool:
+    """Whether an unbatched shift's line is the whole buffer (a 1-D buffer, a
+    `(1, n)` buffer, a delay line or stack shifted along axis 0)."""
+    return size == 1 and math.prod(storage.shape[:axis]) == 1
 
 
 def _one_line(storage, size: int, axis: int) -> bool:
@@ -655,7 +687,7 @@ def _pop_edit(storage, tok, idx, axis, fill, read, ordered):
     if _touches_nothing(size, storage.shape):
         return storage, jnp.zeros(bshape + storage.shape[axis + 1 :], storage.dtype)
     heads = _heads(head, bshape)
-    new_line = lambda j, line, col: _shift_left(line, col, fill, heads(j))
+    new_line = lambda j, line, col, ax=None: _shift_left(line, col, fill, heads(j), ax)
     if not read:  # a delete: the removed elements are not wanted
         storage, _ = _shift(storage, tok, idx, axis, new_line, ordered)
         return storage, jnp.zeros(bshape + storage.shape[axis + 1 :], storage.dtype)

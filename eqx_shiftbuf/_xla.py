@@ -421,6 +421,32 @@ def pick_by_max(pair, k, d: int, keepdims: bool = False):
     return lax.bitcast_convert_type(bits, pair.dtype), bits
 
 
+def rolled_by_reduce(x, shift: int, axis: int = 0):
+    """`jnp.roll(x, shift, axis)`, materialised: read as a `max` over pairs of the rolled
+    bits and zeros (a `reduce_window`), exact for every real or bool dtype.
+
+    A shift of a buffer of one line at a traced position is one `select` over the
+    whole buffer between the line and its roll. XLA:CPU fused the roll into that
+    `select`, whose kernel then read the buffer at shifted positions and could not
+    write it in place: a copy of the buffer per step for a single traced insert,
+    delete or pop (1 forward, 2 in grad and jvp; a (4096,) buffer, a `(256, 64)`
+    delay line). XLA does not fuse a `reduce_window` into its consumers: the roll
+    is written once, and the `select` reads the buffer and it at the same
+    positions, in place. Pinned by `tests/test_in_place.py` (one-line shifts).
+    """
+    r = jnp.roll(x, shift, axis)
+    window = (1,) * x.ndim + (2,)
+    if x.dtype == jnp.bool_:  # False is the lowest bool
+        both = jnp.stack([r, jnp.zeros_like(r)], -1)
+        return lax.reduce_window(both, False, lax.max, window, window, "VALID")[..., 0]
+    ubits = bits_dtype(x.dtype)
+    bits = lax.bitcast_convert_type(r, ubits)
+    both = jnp.stack([bits, jnp.zeros_like(bits)], -1)
+    zero = jnp.zeros((), ubits)
+    out = lax.reduce_window(both, zero, lax.max, window, window, "VALID")
+    return lax.bitcast_convert_type(out[..., 0], x.dtype)
+
+
 def window_by_reduce(s, st, sizes, d: int):
     """`(window, reduced)`: `s[st : st + sizes]`, read as a `max` over the window
     and its neighbour along `d` (a dimension it is 1 wide in), the neighbour masked

@@ -50,6 +50,11 @@ IN_PLACE = [
     ("one_line", "jvp(vmap)"),
     ("one_d", "grad"),
     ("one_d", "jvp"),
+    # Two shifts of one line, nothing read between them: the roll of each is
+    # materialised (`_xla.rolled_by_reduce`); plain `lax` copies.
+    ("one_d_del", "fwd"),
+    ("one_d_del", "grad"),
+    ("one_d_del", "jvp"),
     ("two_lines", "grad"),
     ("two_lines", "jvp"),
     ("whole_ds", "fwd"),
