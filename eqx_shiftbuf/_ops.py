@@ -614,12 +614,12 @@ def _ring_read(
     assert b.ring is not None
     ax = b.ring.axis
     n, cap = sizes[ax], b.storage.shape[ax]
-    p = _wrap(starts[ax] + head, cap)
     at = lambda q: starts[:ax] + [q] + starts[ax + 1 :]
+    if n == 1 and static is not None:
+        wrap = (ax, static, cap)
+        return P.bind_read(b.storage, b.token, at(b.ring.head), sizes, wrap=wrap)
+    p = _wrap(starts[ax] + head, cap)
     if n == 1:
-        if static is not None:
-            wrap = (ax, static, cap)
-            return P.bind_read(b.storage, b.token, at(b.ring.head), sizes, wrap=wrap)
         return P.bind_read(b.storage, b.token, at(p), sizes)
     if n == cap:
         storage, window, tok = P.bind_read(b.storage, b.token, at(p * 0), sizes)

@@ -253,8 +253,7 @@ def wrapped_starts(starts, wrap):
     if wrap is None:
         return list(starts)
     axis, offset, cap = wrap
-    p = starts[axis].astype(jnp.int32) + offset
-    p = jnp.where(p >= cap, p - cap, p)
+    p = _physical(jnp.int32(offset), starts[axis], cap)
     return [*starts[:axis], p, *starts[axis + 1 :]]
 
 
@@ -474,7 +473,7 @@ def _shift_right(line, col, v, head=None, ax: int | None = None):
     head's left, logically last, is the one overwritten. With `ax`, `line` is the
     whole buffer, shifted along its axis `ax` (`_shift`)."""
     col, v = _materialised(col, line), _materialised(v, line)
-    pos = _positions(line, col, head, 0 if ax is None else ax)
+    pos = _positions(line, col, head, ax or 0)
     rolled = _rolled(line, 1, ax)
     return jnp.where(pos < col, line, jnp.where(pos == col, v, rolled))
 
@@ -483,10 +482,9 @@ def _shift_left(line, col, fill, head=None, ax: int | None = None):
     """`line` with the element at logical position `col` (axis 0) removed, `fill`
     added at the (logical) end. `ax`: as for `_shift_right`."""
     col = _materialised(col, line)
-    a = 0 if ax is None else ax
-    pos = _positions(line, col, head, a)
+    pos = _positions(line, col, head, ax or 0)
     fillv = jnp.asarray(fill, line.dtype)
-    last = line.shape[a] - 1
+    last = line.shape[ax or 0] - 1
     rolled = _rolled(line, -1, ax)
     return jnp.where(pos < col, line, jnp.where(pos == last, fillv, rolled))
 
@@ -507,8 +505,10 @@ def _shift(storage, tok, idx, axis, new_line, ordered, want_lines=False):
 
     Returns `(storage, lines)`, with the lines as read when `ordered`, else `None`.
 
-    Unbatched, on a buffer with at least two lines, each line is edited through a
-    2-line window (`window2_edit`), straight-line. Otherwise: `ordered=False`
+    Unbatched, on a buffer whose line is the whole buffer, the buffer is shifted
+    in its own shape, straight-line (`_whole_line`; `ordered` is then moot: the
+    roll is materialised). Unbatched, on a buffer with at least two lines, each
+    line is edited through a 2-line window (`window2_edit`), straight-line. Otherwise: `ordered=False`
     reads, shifts and writes each line straight-line, the same operations as plain
     `lax` code; `ordered=True` first reads the lines in their own loop (needed when
     `storage` comes straight from another straight-line write, see the module
@@ -948,11 +948,11 @@ def bind_read(storage, tok, starts, sizes, nbatch=0, wrap=None):
     `jax.grad` of a `lax.scan`, the reads of a ring at static offsets (a delay
     line's taps) then save one residual per step, the head, where each would save
     its own start (a stacking kernel per read per step)."""
-    if wrap is not None:
-        return read_p.bind(
-            storage, tok, *starts, sizes=tuple(sizes), nbatch=nbatch, wrap=wrap
-        )
-    return read_p.bind(storage, tok, *starts, sizes=tuple(sizes), nbatch=nbatch)
+    # Without `wrap`, the parameter is left out: the equation is as before it existed.
+    extra = {} if wrap is None else {"wrap": wrap}
+    return read_p.bind(
+        storage, tok, *starts, sizes=tuple(sizes), nbatch=nbatch, **extra
+    )
 
 
 def bind_accum(storage, tok, window, starts, ordered=False, nbatch=0):

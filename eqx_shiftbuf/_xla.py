@@ -422,8 +422,8 @@ def pick_by_max(pair, k, d: int, keepdims: bool = False):
 
 
 def rolled_by_reduce(x, shift: int, axis: int = 0):
-    """`jnp.roll(x, shift, axis)`, materialised: read as a `max` over pairs of the rolled
-    bits and zeros (a `reduce_window`), exact for every real or bool dtype.
+    """`jnp.roll(x, shift, axis)`, materialised: read as a `max` over pairs of the
+    rolled bits and zeros (a `reduce_window`), exact for every real or bool dtype.
 
     A shift of a buffer of one line at a traced position is one `select` over the
     whole buffer between the line and its roll. XLA:CPU fused the roll into that
@@ -432,7 +432,8 @@ def rolled_by_reduce(x, shift: int, axis: int = 0):
     delete or pop (1 forward, 2 in grad and jvp; a (4096,) buffer, a `(256, 64)`
     delay line). XLA does not fuse a `reduce_window` into its consumers: the roll
     is written once, and the `select` reads the buffer and it at the same
-    positions, in place. Pinned by `tests/test_in_place.py` (one-line shifts).
+    positions, in place. Pinned by `tests/test_one_line.py`; its exactness by
+    `tests/test_ring.py::test_shifts_and_writes_move_every_bit_pattern`.
     """
     r = jnp.roll(x, shift, axis)
     window = (1,) * x.ndim + (2,)

@@ -22,37 +22,43 @@ from jax import lax
 
 import eqx_shiftbuf as esb
 
+from . import natural
+
 
 STEPS = 12
 # (shape, axis): a flat line, one row, a delay line of frames (a ring).
 LINES = [((4096,), 0), ((1, 4096), 1), ((256, 64), 0)]
 
 
-def _edits(kind, b, i, j, val):
-    lead = (0,) * b.axis
+def _edits(kind, ops, b, axis, i, j, val):
+    lead = (0,) * axis
     if kind == "insert":
-        return b.insert(lead + (j,), val), 0.0
+        return ops.insert(b, lead + (j,), val), 0.0
     if kind == "delete":
-        return b.delete(lead + (j,)), 0.0
+        return ops.delete(b, lead + (j,)), 0.0
     if kind == "pop":
-        b, r = b.pop(lead + (j,))
+        b, r = ops.pop(b, lead + (j,))
         return b, r.sum()
     if kind == "insert_delete":
-        return b.insert(lead + (i,), val).delete(lead + (j,)), 0.0
+        return ops.delete(ops.insert(b, lead + (i,), val), lead + (j,)), 0.0
     assert kind == "insert_pop_unused"
-    b, _ = b.insert(lead + (i,), val).pop(lead + (j,))
+    b, _ = ops.pop(ops.insert(b, lead + (i,), val), lead + (j,))
     return b, 0.0
 
 
-def _loss(kind, shape, axis):
+def _loss(kind, shape, axis, ops=natural.ESB):
+    """The scan of a step `kind` on a buffer of `shape` shifted along `axis`, with
+    the library's ops or plain `lax`'s (`natural.PLAIN`)."""
+
     def loss(s, a, xs):
         def step(b, x):
             i, j, v = x
-            b, y = _edits(kind, b, i, j, jnp.full(shape[axis + 1 :], v * s))
+            val = jnp.full(shape[axis + 1 :], v * s)
+            b, y = _edits(kind, ops, b, axis, i, j, val)
             return b, y + v * s
 
-        b, ys = lax.scan(step, esb.ShiftBuffer(a, axis=axis), xs)
-        return (b.array**2).sum() + ys.sum()
+        b, ys = lax.scan(step, ops.wrap(a, axis), xs)
+        return (ops.unwrap(b) ** 2).sum() + ys.sum()
 
     return loss
 
@@ -95,44 +101,6 @@ def test_a_line_of_a_million_elements_is_shifted_in_place():
     assert copies == [], "\n".join(map(str, copies))
 
 
-def _plain(kind, shape, axis):
-    """The same steps on a plain array, with `jnp` ops."""
-
-    def insert(a, c, val):
-        line = jnp.moveaxis(a, axis, 0)
-        pos = jnp.arange(line.shape[0]).reshape((-1,) + (1,) * (line.ndim - 1))
-        new = jnp.where(pos < c, line, jnp.where(pos == c, val, jnp.roll(line, 1, 0)))
-        return jnp.moveaxis(new, 0, axis)
-
-    def delete(a, c):
-        line = jnp.moveaxis(a, axis, 0)
-        n = line.shape[0]
-        pos = jnp.arange(n).reshape((-1,) + (1,) * (line.ndim - 1))
-        new = jnp.where(
-            pos < c, line, jnp.where(pos == n - 1, 0, jnp.roll(line, -1, 0))
-        )
-        return jnp.moveaxis(new, 0, axis), jnp.take(line, c, axis=0)
-
-    def loss(s, a, xs):
-        def step(a, x):
-            i, j, v = x
-            val = jnp.full(shape[axis + 1 :], v * s)
-            y = 0.0
-            if kind == "insert":
-                a = insert(a, j, val)
-            elif kind in ("delete", "pop"):
-                a, r = delete(a, j)
-                y = r.sum() if kind == "pop" else 0.0
-            else:
-                a, _ = delete(insert(a, i, val), j)
-            return a, y + v * s
-
-        a, ys = lax.scan(step, a, xs)
-        return (a**2).sum() + ys.sum()
-
-    return loss
-
-
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize(
     "shape, axis", [((64,), 0), ((1, 48), 1), ((32, 3), 0)], ids=str
@@ -142,6 +110,7 @@ def test_traced_shifts_of_one_line_match_plain_jnp(shape, axis, kind):
     a = jnp.asarray(np.random.default_rng(0).standard_normal(shape), jnp.float32)
     for mode in ("fwd", "grad"):
         got = jax.jit(_under(mode, _loss(kind, shape, axis)))(s, a, xs)
-        want = jax.jit(_under(mode, _plain(kind, shape, axis)))(s, a, xs)
+        plain = _loss(kind, shape, axis, natural.PLAIN)
+        want = jax.jit(_under(mode, plain))(s, a, xs)
         for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
             np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5)
