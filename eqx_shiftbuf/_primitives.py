@@ -45,7 +45,7 @@ behaviours are in `_xla.py`, each with the test that pins it. So:
   the pending token added to an index they really use (`_free_dim`).
 - *Every unbatched write spans two elements of each dimension of the buffer that
   has two*: a shift reads and writes a *2-line window*, its line and a neighbour
-  (`window2_edit`), and an accumulation or overwrite a window widened to 2 where
+  along each dimension before the line's that has two elements (`window2_edit`), and an accumulation or overwrite a window widened to 2 where
   it is 1 wide (`widened_write`), taking only its own elements from the new
   values. XLA:CPU duplicates a write whose update has fewer non-unit dimensions
   than the buffer (it counts as "effectively unary") into the next read of the
@@ -490,14 +490,12 @@ def _shift_left(line, col, fill, head=None, ax: int | None = None):
 
 
 def _windowed(storage, size: int, axis: int) -> bool:
-    """Whether a shift edits its line through a 2-line window (`window2_edit`):
-    unbatched, with a line before the shift axis to pair it with."""
-    return (
-        size == 1
-        and axis >= 1
-        and storage.shape[axis - 1] >= 2
-        and math.prod(storage.shape[:axis]) > 2
-    )
+    """Whether a shift edits its line through a window 2 wide in every dimension
+    before the shift axis that has two elements (`window2_edit`): unbatched, with
+    lines to pair it with, and more lines than the window holds (a window of all
+    of them would be the whole buffer, rewritten out of place by every edit)."""
+    wide = sum(1 for n in storage.shape[:axis] if n >= 2)
+    return size == 1 and wide >= 1 and math.prod(storage.shape[:axis]) > 2**wide
 
 
 def _shift(storage, tok, idx, axis, new_line, ordered, want_lines=False):

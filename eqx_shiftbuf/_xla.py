@@ -34,6 +34,7 @@ changes them.
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -741,16 +742,26 @@ def window2_edit(s, ix, axis, new_line, line=None, *, reduce_line=False):
     Pinned by `tests/test_corpus.py::test_no_per_iteration_copies` on the
     `two_inserts`, `three_inserts` and `pop` bodies.
     """
-    d = axis - 1
-    n = s.shape[d]
-    r = ix[d]
-    r0 = jnp.minimum(r, n - 2)
-    k = jnp.minimum(r - r0, 1)  # an index past the end is clamped, as in lax
+    # Every dimension before the line's that has two elements is spanned by two
+    # (a window of a `(8, 32, 64)` buffer shifted along its last axis is `(2, 2,
+    # 64)`): a window only 1 wide in one of them has fewer non-unit dimensions
+    # than the buffer, and is duplicated as above (2 copies per step under `grad`
+    # and `jvp` for an insert then a delete, while it spanned only `axis - 1`).
     start = list(ix[:-1]) + [jnp.zeros_like(ix[-1])] * (s.ndim - axis)
-    start[d] = r0
-    sizes = (1,) * d + (2,) + tuple(s.shape[axis:])
+    sizes = [1] * axis + list(s.shape[axis:])
+    k = None  # the line's position in the window, flattened
+    for d in range(axis):
+        n = s.shape[d]
+        if n < 2:
+            continue
+        r0 = jnp.minimum(ix[d], n - 2)
+        k_d = jnp.minimum(ix[d] - r0, 1)  # an index past the end is clamped, as in lax
+        start[d], sizes[d] = r0, 2
+        k = k_d if k is None else 2 * k + k_d.astype(k.dtype)
+    assert k is not None, "window2_edit needs a dimension before the line's"
+    lines = math.prod(sizes[:axis])
     win = lax.dynamic_slice(s, start, sizes, allow_negative_indices=NO_WRAP)
-    win = win.reshape((2,) + tuple(s.shape[axis:]))
+    win = win.reshape((lines,) + tuple(s.shape[axis:]))
     if reduce_line:
         line, _ = pick_by_max(win, k, 0)
     elif line is None:

@@ -140,6 +140,15 @@ def _whole_ds(how):
     return step
 
 
+def _insert_pop_3d(ops, b, x, p):
+    """Lines indexed by two dimensions `(L0, L1, n)`, shifted along the last."""
+    l0 = ops.shape(b)[0]
+    r, c = x["r"], x["c"]
+    b = ops.insert(b, (r[0] % l0, r[1], c[0]), jnp.sin(p["s"] * x["v"]))
+    b, removed = ops.pop(b, (r[1] % l0, r[0], c[1]))
+    return b, removed * p["s"]
+
+
 F = 8
 
 
@@ -371,6 +380,15 @@ ROWS = (
         (512, 64),
         1,
         512,
+        64,
+    ),
+    Row(
+        "lines_3d",
+        "(8, 32, 64) axis=2 (lines indexed by two dimensions), traced insert + pop",
+        _insert_pop_3d,
+        (8, 32, 64),
+        2,
+        32,
         64,
     ),
     Row(

@@ -84,6 +84,10 @@ IN_PLACE = [
     ("queue", "grad"),
     ("ring_mix", "grad"),
     ("ring_mix", "jvp(vmap)"),
+    # Lines indexed by two dimensions: the shifts' windows span two lines along
+    # both (`_xla.window2_edit`).
+    ("lines_3d", "grad"),
+    ("lines_3d", "jvp"),
 ]
 
 
@@ -112,6 +116,7 @@ def test_no_per_iteration_copies(row, mode):
         "queue",
         "ring_mix",
         "select_stack",
+        "lines_3d",
     ],
 )
 def test_values_and_gradients_match_plain_lax(row):
