@@ -364,20 +364,34 @@ def _accum_impl(storage, tok, window, *starts, ordered, nbatch=0, scalars=True):
             return added_in_halves(storage, w, _index_zero(tok)), tok_in
         return _loop(tok, 1, lambda j, s: s + w, storage), tok_in
     olds = None
-    if ordered and size != 1:  # as in `_shift`: read the old windows in a loop first
-        storage, olds, tok = _read_impl(storage, tok, *starts, sizes=window.shape[1:])
+    sizes = tuple(window.shape[1:])
+    if ordered and (size != 1 or not _widenable(sizes, storage.shape)):
+        # As in `_shift`: read the old windows in a loop first. Unbatched, only
+        # where the write cannot be widened (`widened_write`): a window as wide as
+        # every dimension of the buffer that has two elements (a window of a 1-D
+        # buffer). Read by its own `dynamic_slice`, XLA:CPU fused the straight-line
+        # write before it (a transposed `dynamic_update_slice`, writing zeros) into
+        # that read, which then read the older buffer: 2 copies per step in the
+        # gradient of a `dynamic_update_slice` at a Python-int start of a ring.
+        storage, olds, tok = _read_impl(storage, tok, *starts, sizes=sizes)
         olds = _flat(olds, bshape)
 
     def body(j, s, starts):
         st = _element(starts, j)
         w = _take(window, j)
-        if size == 1:  # no loop read first: see `widened_write`
+        if size == 1 and olds is None:  # no loop read first: see `widened_write`
             return widened_write(s, st, w.shape, lambda old: old + w)
         old = lax.dynamic_slice(s, st, w.shape) if olds is None else _take(olds, j)
         return lax.dynamic_update_slice(s, old + w, st)
 
     at = _free_dim(window.shape[1:], storage.shape)
     return _write(tok, size, body, storage, starts, at), tok_in
+
+
+def _widenable(sizes: Sequence[int], shape: Sequence[int]) -> bool:
+    """Whether `widened_write` widens a window of `sizes` of a buffer of `shape`:
+    it is 1 wide in some dimension in which the buffer is not."""
+    return any(n == 1 and m >= 2 for n, m in zip(sizes, shape, strict=True))
 
 
 def _accum_abstract(storage, tok, window, *starts, ordered, nbatch):

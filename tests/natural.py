@@ -140,6 +140,16 @@ def _whole_ds(how):
     return step
 
 
+def _block_write(ops, b, x, p):
+    """A ring `(K, D)`: overwrite a `(4, D)` block at a Python-int row, read
+    another at a traced row."""
+    k, d = ops.shape(b)
+    blk = jnp.tanh(p["s"] * x["v"] + jnp.arange(4 * d, dtype=jnp.float32))
+    b = ops.dynamic_update_slice(b, blk.reshape(4, d), (8, 0))
+    b, w = ops.read(b, (x["c"][0] % (k - 3), jnp.int32(0)), (4, d))
+    return b, (w * p["s"]).sum()
+
+
 def _insert_pop_3d(ops, b, x, p):
     """Lines indexed by two dimensions `(L0, L1, n)`, shifted along the last."""
     l0 = ops.shape(b)[0]
@@ -381,6 +391,16 @@ ROWS = (
         1,
         512,
         64,
+    ),
+    Row(
+        "block_write",
+        "ring (1024, 32) axis=0: dynamic_update_slice of a (4, 32) block at Python "
+        "int (8, 0), read of a (4, 32) block at a traced row",
+        _block_write,
+        (1024, 32),
+        0,
+        1,
+        1024,
     ),
     Row(
         "lines_3d",

@@ -392,3 +392,33 @@ def test_static_taps_of_a_ring_save_one_position_a_step_under_grad():
     # Each read at a start computed from the head saved its own start: one
     # residual per tap per step, a stacking kernel each in the compiled loop.
     assert _per_step_residuals((0, 1, 2, 3, 4, 5)) == _per_step_residuals((0,))
+
+
+# (shape, window): a window of a ring as wide as every dimension of the buffer but
+# the line's, so its write cannot be widened (`_xla.widened_write`).
+RING_WINDOWS = [((4096,), (16,)), ((1024, 32), (4, 32))]
+
+
+@pytest.mark.parametrize("start", ["python", "traced"])
+@pytest.mark.parametrize("shape, window", RING_WINDOWS, ids=str)
+def test_a_window_written_into_a_ring_is_in_place_under_grad(shape, window, start):
+    # The write may wrap round the end of the storage, so it is two read-modify-
+    # writes; transposed, each zeroes its window and adds a cotangent there.
+    # Written at a Python-int start, the zeroing was fused into the addition's
+    # read, which then read the older buffer: 2 copies a step.
+    def loss(s, a, xs):
+        def step(b, x):
+            i, v = x
+            i = 8 if start == "python" else i
+            upd = jnp.full(window, v * s)
+            return b.dynamic_update_slice(upd, (i,) + (0,) * (len(shape) - 1)), v
+
+        b, ys = lax.scan(step, esb.ShiftBuffer(a, axis=0), xs)
+        return (b.array**2).sum() + ys.sum()
+
+    t = jnp.arange(12, dtype=jnp.int32)
+    xs = ((t * 37) % (shape[0] - window[0]), jnp.linspace(0.1, 1.0, 12))
+    a = jnp.ones(shape, jnp.float32)
+    fn = jax.grad(loss, argnums=(0, 1))
+    copies = esb.find_loop_copies(fn, jnp.float32(0.5), a, xs, min_bytes=a.nbytes // 2)
+    assert copies == [], "\n".join(map(str, copies))
