@@ -32,10 +32,12 @@ behaviours are in `_xla.py`, each with the test that pins it. So:
   next access adds to one of its indices, so that access depends on the read (see
   "Binding helpers" for how tokens are threaded, through values only). Unbatched,
   the value is a reduction: a masked `max` over the window and its neighbour along
-  a dimension it is 1 wide in (`window_by_reduce`; a pop reduces its line and
-  its neighbour, `window2_edit`), which XLA materialises once instead of
-  duplicating it into its consumers. Otherwise
-  (batched, complex, or no such dimension) the reads run in their own loop.
+  a dimension it is 1 wide in, or, where it has none, with the window one
+  further along a dimension it is narrower than the buffer in
+  (`window_by_reduce`; a pop reduces its line and its neighbour,
+  `window2_edit`), which XLA materialises once instead of duplicating it into
+  its consumers. Otherwise (batched, complex, or a window of the whole buffer)
+  the reads run in their own loop.
   An unbatched read that would be a reduction, of a common dtype, is lowered
   first as a plain slice (`_xla.deferred_read`) and materialised by the lowering
   of the next access that may follow it (`_xla.materialise_deferred_reads`): a
@@ -238,12 +240,23 @@ def _pair_dim(sizes: Sequence[int], shape: Sequence[int]) -> int | None:
     return next((d for d, n in enumerate(sizes) if n == 1 and shape[d] >= 2), None)
 
 
+def _read_dim(sizes: Sequence[int], shape: Sequence[int]) -> int | None:
+    """The dimension to pair a window of `sizes` on for `window_by_reduce`: one it
+    is 1 wide in and the buffer is not (`_pair_dim`), else the first it is
+    narrower than the buffer in (a window of rows of a delay line), if any."""
+    d = _pair_dim(sizes, shape)
+    if d is None:
+        d = next((d for d, (n, m) in enumerate(zip(sizes, shape)) if n < m), None)
+    return d
+
+
 def _reduce_read(storage, size: int, sizes: Sequence[int]) -> int | None:
     """The dimension to read a window of `sizes` through with `window_by_reduce`,
-    if it can be: unbatched, a real or bool dtype, and a dimension to pair on."""
+    if it can be: unbatched, a real or bool dtype, and a dimension to pair on
+    (`_read_dim`)."""
     if size != 1 or jnp.issubdtype(storage.dtype, jnp.complexfloating):
         return None
-    return _pair_dim(sizes, storage.shape)
+    return _read_dim(sizes, storage.shape)
 
 
 def wrapped_starts(starts, wrap):
@@ -794,7 +807,7 @@ def _deferrable(ctx, *, sizes, nbatch, wrap=None) -> bool:
 
 def _reduced_read(storage, *starts, sizes):
     """`(window, bits)`: the read `_read_impl` makes through a reduction."""
-    d = _pair_dim(sizes, storage.shape)
+    d = _read_dim(sizes, storage.shape)
     assert d is not None  # `_deferrable` read it so
     return window_by_reduce(storage, starts, sizes, d)
 

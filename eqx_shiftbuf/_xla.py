@@ -473,13 +473,29 @@ def window_by_reduce(s, st, sizes, d: int):
     `tests/test_in_place.py::test_reads_need_no_inner_loop`.
     """
     st = list(st)
-    i0 = jnp.minimum(st[d], s.shape[d] - 2)
+    n = sizes[d]
+    i0 = jnp.minimum(st[d], s.shape[d] - n - 1)
     k = jnp.minimum(st[d] - i0, 1)  # an index past the end is clamped, as in lax
     st[d] = i0
     wide = list(sizes)
-    wide[d] = 2
-    pair = lax.dynamic_slice(s, st, wide, allow_negative_indices=NO_WRAP)
-    return pick_by_max(pair, k, d, keepdims=True)
+    wide[d] = n + 1
+    big = lax.dynamic_slice(s, st, wide, allow_negative_indices=NO_WRAP)
+    if n == 1:
+        return pick_by_max(big, k, d, keepdims=True)
+    # A window `n > 1` wide along `d` (no dimension of the buffer it is 1 wide in:
+    # rows of a delay line, a span of a 1-D buffer) is paired with the window one
+    # further along `d`: both are slices of one read `n + 1` wide. Without a
+    # dimension to pair on, such a read ran in a loop of its own (`_read_impl`),
+    # and a window of a ring, two of them: 4x plain `lax`'s forward.
+    # Paired as bits: XLA:CPU moves the bfloat16 and float8 values of a
+    # concatenation through float32, dropping NaN payloads (see `carrier`).
+    dtype = big.dtype
+    if dtype != jnp.bool_:
+        big = lax.bitcast_convert_type(big, bits_dtype(dtype))
+    lo = lax.slice_in_dim(big, 0, n, axis=d)
+    hi = lax.slice_in_dim(big, 1, n + 1, axis=d)
+    window, reduced = pick_by_max(jnp.stack([lo, hi], d), k, d)
+    return lax.bitcast_convert_type(window, dtype), reduced
 
 
 # A read is materialised (`window_by_reduce`) only so that the next write of its

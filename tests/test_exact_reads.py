@@ -88,6 +88,25 @@ def test_dynamic_slice_returns_every_value_bit_for_bit(dtype):
 
 
 @jax.jit
+def read_rows_then_write(x, r):
+    # A window of two whole rows has no dimension it is 1 wide in: it is paired
+    # with the window one row further (`_xla.window_by_reduce`), and the write
+    # after it makes the read a reduction rather than a plain slice.
+    b = esb.ShiftBuffer(x, axis=1)
+    b, w = b.read((r, 0), (2, x.shape[1]))
+    b = b.dynamic_update_slice(jnp.zeros((1, 1), x.dtype), (0, 0))
+    return w, b.array
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_window_of_several_rows_returns_every_value_bit_for_bit(dtype):
+    for row in (0, 1):  # the pair read starts at the window, or one row before it
+        a = rows_of(dtype)
+        got, _ = read_rows_then_write(jnp.asarray(a), jnp.int32(row))
+        assert_same_bits(got, lax_read(a, (row, 0), (2, a.shape[1])))
+
+
+@jax.jit
 def pop(x, r, c):
     return esb.pop(x, (r, c), axis=1)
 

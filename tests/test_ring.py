@@ -15,6 +15,7 @@ from jax import lax
 from jax.test_util import check_grads
 
 import eqx_shiftbuf as esb
+from eqx_shiftbuf import _inspect
 
 from . import reference as ref
 
@@ -422,3 +423,32 @@ def test_a_window_written_into_a_ring_is_in_place_under_grad(shape, window, star
     fn = jax.grad(loss, argnums=(0, 1))
     copies = esb.find_loop_copies(fn, jnp.float32(0.5), a, xs, min_bytes=a.nbytes // 2)
     assert copies == [], "\n".join(map(str, copies))
+
+
+def test_a_window_of_rows_of_a_ring_is_read_without_a_loop():
+    # A window of several frames of a delay line has no dimension it is 1 wide in;
+    # it is read through a reduction with the window one row further
+    # (`_xla.window_by_reduce`). Such reads ran in loops of their own, two per
+    # read of a ring (whose window may wrap): 4x plain `lax`'s forward.
+    def loss(a, xs):
+        def step(b, x):
+            i, j, v = x
+            b, w = b.read((i, 0), (4, 32))
+            b = b.dynamic_update_slice(jnp.cos(w) * v, (j, 0))
+            return b, w.sum()
+
+        b, ys = lax.scan(step, esb.ShiftBuffer(a, axis=0), xs)
+        return b.array.sum() + ys.sum()
+
+    t = jnp.arange(12, dtype=jnp.int32)
+    xs = ((t * 37) % 1021, (t * 91) % 1021, jnp.linspace(0.1, 1.0, 12))
+    a = jnp.ones((1024, 32), jnp.float32)
+    hlo = jax.jit(loss).lower(a, xs).compile().as_text()
+    comps = _inspect._parse(hlo)
+    bodies = {
+        b for text in comps.values() for b in _inspect._BODY.findall(" ".join(text))
+    }
+    assert len(bodies) == 1
+    nested = [line for b in bodies for line in comps[b] if " while(" in line]
+    assert nested == []
+    assert esb.find_loop_copies(loss, a, xs, min_bytes=a.nbytes // 2) == []
