@@ -99,12 +99,15 @@ from ._xla import (
     computed_from_scalars,
     DEFERRABLE_DTYPES,
     deferred_read,
+    edits_of,
     explicit_sharding,
     fold_cotangent_sum,
     from_carrier,
     is_zeros,
     loop_not_unrolled,
+    lowered_at,
     lowered_without_explicit_shardings,
+    marked_edit,
     marked_onto_zeros,
     marked_onto_zeros_result,
     materialise_deferred_reads,
@@ -118,6 +121,7 @@ from ._xla import (
     tokens_per_element,
     tokens_reduced_locally,
     varying_axes_of_aval,
+    wait_at_hooks,
     widened_write,
     window2_edit,
     window_by_reduce,
@@ -873,6 +877,15 @@ def _define(name: str, impl: Callable, abstract: Callable, n_arrays: int) -> Pri
 
     def lowering(ctx, *args, **params):
         many = params["nbatch"] > 0 and on_several_devices(ctx)
+        if not many and name == "esb_read" and ctx.avals_out[2].shape == ():
+            # A read of a storage already edited here reads the old value: lowered
+            # before the edit, which waits for it (`_xla.edits_of`).
+            edits = edits_of(args[0], args[1:], ctx.module_context.module)
+            if edits is not None:
+                anchor, hooks = edits
+                out = lowered_at(anchor, lambda: plain(ctx, *args, **params))
+                wait_at_hooks(hooks, out[2])
+                return out
         if params.get("wrap") is not None:  # the start resolved first
             ctx, args = _with_wrapped_starts(ctx, args, params.pop("wrap"))
         if not many and name == "esb_read" and _deferrable(ctx, **params):
@@ -889,6 +902,8 @@ def _define(name: str, impl: Callable, abstract: Callable, n_arrays: int) -> Pri
                 window, starts = marked_onto_zeros(args[0], args[2], args[3:])
                 args = (args[0], args[1], window, *starts)
             args = _after_deferred_reads(ctx, args)
+        if not many and name != "esb_read":
+            args = (args[0], marked_edit(args[0], args[1]), *args[2:])
         if name == "esb_accum":
             params = dict(params, scalars=computed_from_scalars(args[2]))
         out = (split if many else plain)(ctx, *args, **params)

@@ -536,6 +536,148 @@ def deferred_read(storage: ir.Value, tok: ir.Value, starts, sizes):
     return window.result, hook.result
 
 
+# A read of a buffer's storage traced after an edit of that storage reads the value
+# from before the edit (`new = buf.insert(...)`, then `buf.dynamic_slice(...)`):
+# lowered where it is traced, after the edit's in-place write, it keeps the old
+# storage alive past the write, and XLA copies the buffer (1-4 copies per step in
+# every mode). Each edit's lowering therefore marks the storage it edits and the
+# token it waits for (`marked_edit`); a read of a storage an edit already lowered
+# in its block is lowered before that edit instead, and the edit's token is
+# rewired to wait for it (`edits_of`, then `_primitives`' read lowering).
+_EDIT_OF = "esb.edit_of"
+_EDIT_TOKEN = "esb.edit_token"
+
+
+def marked_edit(storage: ir.Value, tok: ir.Value) -> ir.Value:
+    """The token an edit of `storage` about to be lowered waits for: `tok` through
+    a marked no-op `reshape` (its hook), after a marked, unused no-op `reshape` of
+    `storage` that `edits_of` finds among the storage's uses."""
+    mark = hlo.ReshapeOp(storage.type, storage)
+    mark.operation.attributes[_EDIT_OF] = ir.UnitAttr.get()
+    hook = hlo.ReshapeOp(tok.type, tok)
+    hook.operation.attributes[_EDIT_TOKEN] = ir.UnitAttr.get()
+    return hook.result
+
+
+def edits_of(storage: ir.Value, operands, module) -> tuple | None:
+    """`(anchor, hooks)` if edits of `storage` were lowered in the current block
+    (`marked_edit`) and every one of `operands` is defined before the first:
+    `anchor` is that edit's first marked operation, for a read of `storage` to be
+    lowered before, and `hooks` the edits' token hooks, to wait for it. None
+    otherwise (no such edit, or the read's indices are computed after it: it is
+    then lowered where it is, and XLA copies)."""
+    block = ir.InsertionPoint.current.block  # pyright: ignore[reportAttributeAccessIssue]
+    marks = [
+        op
+        for op in (_operation(u.owner) for u in storage.uses)
+        if op is not None and _EDIT_OF in op.attributes and op.block == block
+    ]
+    if not marks:
+        return None
+    ops = [o.operation for o in block.operations]
+    at = [i for i, o in enumerate(ops) if any(o == m for m in marks)]
+    # Each mark's hook: the next token hook after it (a read moved before the
+    # edit earlier put its wait between the two).
+    hooks = [
+        next((o for o in ops[i + 1 :] if _EDIT_TOKEN in o.attributes), None) for i in at
+    ]
+    if any(h is None for h in hooks):
+        return None
+    anchor, before = ops[at[0]], ops[: at[0]]
+    # The read's indices are usually computed after the edit (its checks, a
+    # ring's wrap): the pure operations that compute them move before it.
+    moves: list = []
+    if not all(_movable(v, block, before, moves, module) for v in operands):
+        return None
+    for op in moves:
+        op.move_before(anchor)
+    return anchor, hooks
+
+
+# Operations that compute a value from their operands alone, with no regions, no
+# effects and no marks of ours: moving one earlier in its block (after its
+# operands) changes nothing but where it is.
+_UNMOVABLE = frozenset(
+    {
+        "stablehlo.custom_call",
+        "stablehlo.rng",
+        "stablehlo.rng_bit_generator",
+        "stablehlo.send",
+        "stablehlo.recv",
+        "stablehlo.infeed",
+        "stablehlo.outfeed",
+        "stablehlo.after_all",
+        "stablehlo.create_token",
+    }
+)
+_MARKS = (_EDIT_OF, _EDIT_TOKEN, "esb.deferred_read", "esb.read_token")
+
+
+def _pure(op: ir.Operation, module) -> bool:
+    """Whether `op` computes its results from its operands alone: a StableHLO
+    operation with no effects or marks of ours, whose regions (a reduction's
+    body, a conditional's branches) hold only such operations, or a call of a
+    function (a `jax.jit` inside the program: `jnp.where`, an index check) whose
+    operations all are."""
+    if op.name in ("func.return", "stablehlo.return"):
+        return True
+    if op.name == "func.call":
+        return _pure_blocks(_callee(op, module).regions, module)
+    if op.name == "stablehlo.custom_call":
+        # A host callback: an index check's error (`equinox.error_if`), raised
+        # by the read's own check; run before the edit's, it raises the same.
+        target = ir.StringAttr(op.attributes["call_target_name"]).value
+        return "python" in target and not op.results.types[-1:] == [_TOKEN_TYPE()]
+    return (
+        op.name.startswith("stablehlo.")
+        and op.name not in _UNMOVABLE
+        and not any(m in op.attributes for m in _MARKS)
+        and _pure_blocks(op.regions, module)
+    )
+
+
+def _TOKEN_TYPE():
+    return hlo.TokenType.get()
+
+
+def _pure_blocks(regions, module) -> bool:
+    return all(
+        _pure(o.operation, module)
+        for region in regions
+        for block in region.blocks
+        for o in block.operations
+    )
+
+
+def _movable(v: ir.Value, block: ir.Block, before: list, moves: list, module) -> bool:
+    """Whether `v` is, or can be, computed before the operations `before` end
+    (appending to `moves`, in order, the operations to move there)."""
+    owner = _operation(v.owner)
+    if owner is None or owner.block != block:
+        return True  # a block argument, or defined around the block
+    if any(owner == o for o in before) or any(owner == o for o in moves):
+        return True
+    if not _pure(owner, module):
+        return False
+    if not all(_movable(x, block, before, moves, module) for x in owner.operands):
+        return False
+    moves.append(owner)
+    return True
+
+
+def lowered_at(anchor: ir.Operation, lower: Callable) -> Any:
+    """`lower()`, with what it emits placed before `anchor`."""
+    with ir.InsertionPoint(anchor):
+        return lower()
+
+
+def wait_at_hooks(hooks, tok: ir.Value) -> None:
+    """Make each edit token hook (`marked_edit`) also wait for `tok`, a read's."""
+    for hook in hooks:
+        with ir.InsertionPoint(hook):
+            hook.operands[0] = hlo.AddOp(hook.operands[0], tok).result
+
+
 def _operation(owner) -> ir.Operation | None:
     """The operation of a value's owner or a use's owner (an op view), or None for
     a block (the value is a block argument)."""

@@ -140,6 +140,14 @@ def _whole_ds(how):
     return step
 
 
+def _read_old(ops, b, x, p):
+    """An insert, then a window of the buffer from *before* it (the `b` the insert
+    was given), read after it in the program: `return b.insert(...), f(b...)`."""
+    new = ops.insert(b, (x["r"][0], x["c"][0]), jnp.sin(p["s"] * x["v"]))
+    w = _dynamic_slice(ops, b, (x["r"][1], jnp.int32(0)), (1, 16))
+    return new, (w * p["s"]).sum()
+
+
 def _block_write(ops, b, x, p):
     """A ring `(K, D)`: overwrite a `(4, D)` block at a Python-int row, read
     another at a traced row."""
@@ -391,6 +399,16 @@ ROWS = (
         1,
         512,
         64,
+    ),
+    Row(
+        "read_old",
+        "(100, 500): traced insert, then a (1, 16) window of the buffer from before "
+        "it, read after it",
+        _read_old,
+        (100, 500),
+        1,
+        100,
+        500,
     ),
     Row(
         "block_write",

@@ -84,6 +84,11 @@ IN_PLACE = [
     ("queue", "grad"),
     ("ring_mix", "grad"),
     ("ring_mix", "jvp(vmap)"),
+    # A read of the buffer from before an edit, traced after the edit: lowered
+    # before it (`_xla.edits_of`); plain `lax` copies.
+    ("read_old", "fwd"),
+    ("read_old", "grad"),
+    ("read_old", "jvp"),
     # A `dynamic_update_slice` at a Python-int start of a ring: its transpose
     # (zero the window, then add the read's cotangent there) reads the window in a
     # loop after the zeroing (`_primitives._accum_impl`); plain `lax` copies too.
@@ -122,6 +127,7 @@ def test_no_per_iteration_copies(row, mode):
         "select_stack",
         "block_write",
         "lines_3d",
+        "read_old",
     ],
 )
 def test_values_and_gradients_match_plain_lax(row):

@@ -1,9 +1,9 @@
 """What `esb.find_loop_copies` reports on a step that copies, and on its fix.
 
 Each step reads a window of a carried buffer and inserts into it. Written with the
-read of the old buffer after the insert, the step keeps the old buffer alive past
-the insert, and XLA copies it every step; with the read first, the step stays in
-place.
+old buffer's storage read as a plain array (`buf.array`) after the insert, the step
+keeps the old buffer alive past the insert, and XLA copies it every step; read
+through the buffer, the step stays in place.
 
 Run it by hand: `python docs/examples/copying_step.py [--size small]`.
 """
@@ -24,7 +24,9 @@ SIZES = {"small": (64, 256, 100), "full": (1000, 1000, 1000)}
 def step_unordered(buf, x):
     i, j, v = x
     new = buf.insert((j, 0), v)
-    w = buf.dynamic_slice((i, 0), (1, 16))  # the old buffer, read after the insert
+    # The old buffer's storage, read as a plain array after the insert: a read the
+    # library does not see, which the insert cannot wait for.
+    w = lax.dynamic_slice(buf.array, (i, 0), (1, 16))
     return new, w.sum()
 
 
