@@ -1,0 +1,243 @@
+"""Copy sweep: every step body below, on every shape, index style and mode, counted
+with `esb.find_loop_copies` (copies per step of arrays at least half the buffer).
+
+The corpus (`tests/corpus.py`, `tests/natural.py`) holds the patterns found so far;
+this sweep is how new ones are found: shapes, index styles and step bodies nobody
+designed for. A row ends in `<---` when any mode copies; a mode that raises prints
+`E:` and the error (a Python-int window past the end raises at trace time, as it
+should). Each body's step is `(buf, i, j, v) -> (buf, y)`, with `i`, `j` positions
+along the shift axis (traced from the scan's inputs, or Python / NumPy ints) and
+`v` a float the loss depends on through the parameter `s`.
+
+    python benchmarks/experiments/copy_sweep.py                      # 13 shapes, traced int32
+    python benchmarks/experiments/copy_sweep.py --styles pyint,npint,traced64 --shapes flat,ring
+    python benchmarks/experiments/copy_sweep.py --kind esb           # under checkpointed esb.scan
+    python benchmarks/experiments/copy_sweep.py --kind fori          # a lax.fori_loop
+    python benchmarks/experiments/copy_sweep.py --shapes last3 --bodies ins_del --detail
+
+All shapes with traced int32 take about 5 minutes on the project's 2-core CPU.
+Last run (2026-12-05, at the commit that added this script): 0 copies on every
+row of the default sweep (13 shapes x 12 bodies x 7 modes), of `--styles
+pyint,npint,traced64` on six shapes (11 bodies), and of `--kind esb` on seven shapes
+(9 bodies, 5 modes), but two: `flat` with a Python- or NumPy-int window read
+(`ds`, `ds_ins`) under `vmap_grad`/`grad_vmap` (1 copy; README, known limits).
+"""
+
+import argparse
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+import eqx_shiftbuf as esb
+
+
+jax.config.update("jax_enable_x64", True)
+
+SHAPES = {
+    "flat": ((4096,), 0),
+    "line": ((1, 4096), 1),
+    "two": ((2, 4096), 1),
+    "three": ((3, 2000), 1),
+    "col": ((4096, 1), 0),
+    "mid3": ((16, 64, 32), 1),
+    "last3": ((8, 32, 64), 2),
+    "ring": ((1024, 32), 0),
+    "long": ((1 << 20,), 0),
+    "wide": ((64, 512), 1),
+    "lead": ((512, 64), 0),
+    "unit3": ((8, 1, 64), 2),
+    "twotwo": ((2, 2, 64), 2),
+    "four": ((4, 3, 5, 64), 3),
+    "one3": ((1, 32, 64), 2),
+    "twoA": ((2, 32, 64), 2),
+    "mid4": ((3, 8, 64, 4), 2),
+}
+STYLES = ("traced32", "traced64", "pyint", "npint", "pyneg")
+
+
+def bodies(shape, axis, dtype):
+    n = shape[axis]
+    lead = lambda: tuple(0 for _ in range(axis))
+    w = min(16, n)
+    wsz = tuple(
+        1 if d < axis else (w if d == axis else shape[d]) for d in range(len(shape))
+    )
+
+    def st(i):
+        if isinstance(i, (int, np.integer)):  # a static start: keep the window in range
+            i = min(int(i), n - w)
+        lead, trail = (0,) * axis, (0,) * (len(shape) - axis - 1)
+        return lead + (i,) + trail
+
+    tail = shape[axis + 1 :]
+    val = lambda v: jnp.full(tail, v, dtype) if tail else jnp.asarray(v, dtype)
+    B = {}
+    B["insert"] = lambda b, i, j, v: (b.insert(lead() + (i,), val(v)), v)
+    B["delete"] = lambda b, i, j, v: (b.delete(lead() + (i,)), v)
+    B["pop"] = lambda b, i, j, v: (lambda r: (r[0], (r[1] * v).sum()))(
+        b.pop(lead() + (i,))
+    )
+    B["dus"] = lambda b, i, j, v: (
+        b.dynamic_update_slice(jnp.full(wsz, v, dtype), st(i)),
+        v,
+    )
+    B["ds"] = lambda b, i, j, v: (b, (b.dynamic_slice(st(i), wsz) * v).sum())
+    B["read_ins"] = lambda b, i, j, v: (
+        lambda r: (r[0].insert(lead() + (j,), val(v)), (r[1] * v).sum())
+    )(b.read(st(i), wsz))
+    B["ins_pop"] = lambda b, i, j, v: (lambda r: (r[0], (r[1] * v).sum()))(
+        b.insert(lead() + (i,), val(v)).pop(lead() + (j,))
+    )
+    B["ins_read"] = lambda b, i, j, v: (lambda r: (r[0], (r[1] * v).sum()))(
+        b.insert(lead() + (i,), val(v)).read(st(j), wsz)
+    )
+    B["ins_del"] = lambda b, i, j, v: (
+        b.insert(lead() + (i,), val(v)).delete(lead() + (j,)),
+        v,
+    )
+    B["ds_ins"] = lambda b, i, j, v: (
+        b.insert(lead() + (j,), val(v)),
+        (b.dynamic_slice(st(i), wsz) * v).sum(),
+    )
+    B["read_dus"] = lambda b, i, j, v: (
+        lambda r: (r[0].dynamic_update_slice(jnp.cos(r[1]) * v, st(j)), r[1].sum())
+    )(b.read(st(i), wsz))
+    B["pop_ins"] = lambda b, i, j, v: (
+        lambda r: (r[0].insert(lead() + (j,), r[1] * v), r[1].sum())
+    )(b.pop(lead() + (i,)))
+    return B
+
+
+MODES = ("fwd", "grad", "jvp", "vmap", "vmap_grad", "jvp_vmap", "grad_vmap")
+
+
+def scanner(kind):
+    if kind == "lax":
+        return lax.scan
+    if kind == "esb":
+        return lambda f, c, xs: esb.scan(f, c, xs, kind="checkpointed")
+    if kind == "fori":
+
+        def fs(f, c, xs):
+            L = jax.tree.leaves(xs)[0].shape[0]
+
+            def body(t, cy):
+                c, acc = cy
+                c, y = f(c, jax.tree.map(lambda a: a[t], xs))
+                return c, acc + y
+
+            c, acc = lax.fori_loop(
+                0, L, body, (c, jnp.zeros((), jnp.result_type(float)))
+            )
+            return c, acc
+
+        return fs
+
+
+def prog(mode, body, axis, style, n, kind):
+    sc = scanner(kind)
+
+    def loss(s, a, xs):
+        def step(b, x):
+            i, j, v = x
+            if style == "pyint":
+                i, j = 3, n // 2
+            elif style == "npint":
+                i, j = np.int32(3), np.int64(n // 2)
+            elif style == "pyneg":
+                i, j = n - 1, n - 2
+            b, y = body(b, i, j, v * s)
+            return b, jnp.asarray(y, jnp.result_type(float)).sum()
+
+        b, ys = sc(step, esb.ShiftBuffer(a, axis=axis), xs)
+        return (b.array.astype(jnp.float32) ** 2).sum() + ys.sum()
+
+    if mode == "fwd":
+        return loss
+    if mode == "grad":
+        return jax.grad(loss, argnums=(0, 1))
+    if mode == "jvp":
+        return lambda s, a, xs: jax.jvp(lambda s, a: loss(s, a, xs), (s, a), (s, a))
+    if mode == "vmap":
+        return jax.vmap(loss, in_axes=(None, None, 0))
+    if mode == "vmap_grad":
+        return jax.vmap(jax.grad(loss, argnums=(0, 1)), in_axes=(None, None, 0))
+    if mode == "jvp_vmap":
+        vl = jax.vmap(loss, in_axes=(None, None, 0))
+        return lambda s, a, xs: jax.jvp(lambda s, a: vl(s, a, xs), (s, a), (s, a))
+    if mode == "grad_vmap":
+        vl = jax.vmap(loss, in_axes=(None, None, 0))
+        return jax.grad(lambda s, a, xs: vl(s, a, xs).sum(), argnums=(0, 1))
+
+
+DEFAULT_SHAPES = "flat,line,two,three,col,mid3,last3,ring,wide,lead,four,twotwo,unit3"
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shapes", default=DEFAULT_SHAPES)
+    ap.add_argument("--styles", default="traced32")
+    ap.add_argument("--bodies", default="")
+    ap.add_argument("--modes", default=",".join(MODES))
+    ap.add_argument("--kind", default="lax")
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--detail", action="store_true")
+    args = ap.parse_args()
+    dtype = jnp.dtype(args.dtype)
+    for sname in args.shapes.split(","):
+        shape, axis = SHAPES[sname]
+        n = shape[axis]
+        a = jnp.ones(shape, dtype)
+        s = jnp.float32(0.5)
+        for style in args.styles.split(","):
+            it = jnp.int64 if style == "traced64" else jnp.int32
+            xs = (
+                (jnp.arange(12, dtype=it) * 37) % n,
+                (jnp.arange(12, dtype=it) * 91) % n,
+                jnp.linspace(0.1, 1.0, 12, dtype=jnp.float32),
+            )
+            bxs = jax.tree.map(lambda x: jnp.stack([x, x[::-1]]), xs)
+            B = bodies(shape, axis, dtype)
+            for bname in args.bodies.split(",") if args.bodies else B:
+                row = []
+                for m in args.modes.split(","):
+                    if (
+                        not jnp.issubdtype(dtype, jnp.inexact)
+                        and m != "fwd"
+                        and m != "vmap"
+                    ):
+                        row.append("-")
+                        continue
+                    try:
+                        cs = esb.find_loop_copies(
+                            prog(m, B[bname], axis, style, n, args.kind),
+                            s,
+                            a,
+                            bxs if "vmap" in m else xs,
+                            min_bytes=max(a.nbytes // 2, 1),
+                        )
+                        c = len(cs)
+                        if args.detail:
+                            for x in cs:
+                                print("   ", m, x)
+                    except Exception as e:
+                        c = (
+                            "E:"
+                            + type(e).__name__
+                            + ":"
+                            + str(e)[:80].replace("\n", " ")
+                        )
+                    row.append(c)
+                flag = "" if all(r in (0, "-") for r in row) else "   <---"
+                print(
+                    f"{args.kind:4} {sname:6} {style:8} {bname:9}",
+                    row,
+                    flag,
+                    flush=True,
+                )
+
+
+if __name__ == "__main__":
+    main()
