@@ -47,9 +47,9 @@ behaviours are in `_xla.py`, each with the test that pins it. So:
   the pending token added to an index they really use (`_free_dim`).
 - *Every unbatched write spans two elements of each dimension of the buffer that
   has two*: a shift reads and writes a *2-line window*, its line and a neighbour
-  along each dimension before the line's that has two elements (`window2_edit`), and an accumulation or overwrite a window widened to 2 where
-  it is 1 wide (`widened_write`), taking only its own elements from the new
-  values. XLA:CPU duplicates a write whose update has fewer non-unit dimensions
+  along each dimension before the line's that has two elements (`window2_edit`),
+  and an accumulation or overwrite a window widened to 2 where it is 1 wide
+  (`widened_write`), taking only its own elements from the new values. XLA:CPU duplicates a write whose update has fewer non-unit dimensions
   than the buffer (it counts as "effectively unary") into the next read of the
   buffer, turning that read into a read of the older buffer, unordered with
   respect to the write: the write copies (three inserts in one step copied twice,
@@ -249,9 +249,7 @@ def _read_dim(sizes: Sequence[int], shape: Sequence[int]) -> int | None:
     is 1 wide in and the buffer is not (`_pair_dim`), else the first it is
     narrower than the buffer in (a window of rows of a delay line), if any."""
     d = _pair_dim(sizes, shape)
-    if d is None:
-        d = next((d for d, (n, m) in enumerate(zip(sizes, shape)) if n < m), None)
-    return d
+    return _free_dim(sizes, shape) if d is None else d
 
 
 def _reduce_read(storage, size: int, sizes: Sequence[int]) -> int | None:
@@ -382,10 +380,11 @@ def _accum_impl(storage, tok, window, *starts, ordered, nbatch=0, scalars=True):
         return _loop(tok, 1, lambda j, s: s + w, storage), tok_in
     olds = None
     sizes = tuple(window.shape[1:])
-    if ordered and (size != 1 or not _widenable(sizes, storage.shape)):
-        # As in `_shift`: read the old windows in a loop first. Unbatched, only
-        # where the write cannot be widened (`widened_write`): a window as wide as
-        # every dimension of the buffer that has two elements (a window of a 1-D
+    if ordered and (size != 1 or _pair_dim(sizes, storage.shape) is None):
+        # As in `_shift`: read the old windows first (`_read_impl`: in a loop if
+        # batched). Unbatched, only where the write cannot be widened
+        # (`widened_write` widens along `_pair_dim`): a window as wide as every
+        # dimension of the buffer that has two elements (a window of a 1-D
         # buffer). Read by its own `dynamic_slice`, XLA:CPU fused the straight-line
         # write before it (a transposed `dynamic_update_slice`, writing zeros) into
         # that read, which then read the older buffer: 2 copies per step in the
@@ -403,12 +402,6 @@ def _accum_impl(storage, tok, window, *starts, ordered, nbatch=0, scalars=True):
 
     at = _free_dim(window.shape[1:], storage.shape)
     return _write(tok, size, body, storage, starts, at), tok_in
-
-
-def _widenable(sizes: Sequence[int], shape: Sequence[int]) -> bool:
-    """Whether `widened_write` widens a window of `sizes` of a buffer of `shape`:
-    it is 1 wide in some dimension in which the buffer is not."""
-    return any(n == 1 and m >= 2 for n, m in zip(sizes, shape, strict=True))
 
 
 def _accum_abstract(storage, tok, window, *starts, ordered, nbatch):
@@ -537,9 +530,9 @@ def _shift(storage, tok, idx, axis, new_line, ordered, want_lines=False):
     Unbatched, on a buffer whose line is the whole buffer, the buffer is shifted
     in its own shape, straight-line (`_whole_line`; `ordered` is then moot: the
     roll is materialised). Unbatched, on a buffer with at least two lines, each
-    line is edited through a 2-line window (`window2_edit`), straight-line. Otherwise: `ordered=False`
-    reads, shifts and writes each line straight-line, the same operations as plain
-    `lax` code; `ordered=True` first reads the lines in their own loop (needed when
+    line is edited through a 2-line window (`window2_edit`), straight-line.
+    Otherwise: `ordered=False` reads, shifts and writes each line straight-line,
+    the same operations as plain `lax` code; `ordered=True` first reads the lines in their own loop (needed when
     `storage` comes straight from another straight-line write, see the module
     docstring). `want_lines` forces that loop, to return the lines as read.
     """

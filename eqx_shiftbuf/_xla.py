@@ -594,12 +594,11 @@ def edits_of(storage: ir.Value, operands, module) -> tuple | None:
     return anchor, hooks
 
 
-# Operations that compute a value from their operands alone, with no regions, no
-# effects and no marks of ours: moving one earlier in its block (after its
-# operands) changes nothing but where it is.
+# StableHLO operations with effects, never moved (a `custom_call` is moved only if
+# it is a host callback: `_pure`); moving any other operation without marks of
+# ours earlier in its block (after its operands) changes nothing but where it is.
 _UNMOVABLE = frozenset(
     {
-        "stablehlo.custom_call",
         "stablehlo.rng",
         "stablehlo.rng_bit_generator",
         "stablehlo.send",
@@ -627,17 +626,14 @@ def _pure(op: ir.Operation, module) -> bool:
         # A host callback: an index check's error (`equinox.error_if`), raised
         # by the read's own check; run before the edit's, it raises the same.
         target = ir.StringAttr(op.attributes["call_target_name"]).value
-        return "python" in target and not op.results.types[-1:] == [_TOKEN_TYPE()]
+        token = hlo.TokenType.get()
+        return "python" in target and all(t != token for t in op.results.types)
     return (
         op.name.startswith("stablehlo.")
         and op.name not in _UNMOVABLE
         and not any(m in op.attributes for m in _MARKS)
         and _pure_blocks(op.regions, module)
     )
-
-
-def _TOKEN_TYPE():
-    return hlo.TokenType.get()
 
 
 def _pure_blocks(regions, module) -> bool:

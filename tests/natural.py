@@ -576,6 +576,12 @@ def program(mode: str, loss: Callable, batch_init: bool = False) -> Callable:
     if mode == "jvp(vmap)":
         vl = jax.vmap(loss, in_axes=(None, axis, 0))
         return lambda p, a, xs: jax.jvp(lambda p, a: vl(p, a, xs), (p, a), (p, a))
+    # Not in `MODES`: used by `benchmarks/experiments/copy_sweep.py`.
+    if mode == "vmap":
+        return jax.vmap(loss, in_axes=(None, axis, 0))
+    if mode == "grad(vmap)":
+        vl = jax.vmap(loss, in_axes=(None, axis, 0))
+        return jax.grad(lambda p, a, xs: vl(p, a, xs).sum(), argnums=both)
     raise ValueError(mode)
 
 

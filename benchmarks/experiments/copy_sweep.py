@@ -20,10 +20,12 @@ Last run (2026-12-05, at the commit that added this script): 0 copies on every
 row of the default sweep (13 shapes x 12 bodies x 7 modes), of `--styles
 pyint,npint,traced64` on six shapes (11 bodies), and of `--kind esb` on seven shapes
 (9 bodies, 5 modes), but two: `flat` with a Python- or NumPy-int window read
-(`ds`, `ds_ins`) under `vmap_grad`/`grad_vmap` (1 copy; README, known limits).
+(`ds`, `ds_ins`) under `vmap(grad)`/`grad(vmap)` (1 copy; README, known limits).
 """
 
 import argparse
+import sys
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -31,6 +33,10 @@ import numpy as np
 from jax import lax
 
 import eqx_shiftbuf as esb
+
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from tests import natural  # noqa: E402  (the corpus's modes)
 
 
 jax.config.update("jax_enable_x64", True)
@@ -110,7 +116,7 @@ def bodies(shape, axis, dtype):
     return B
 
 
-MODES = ("fwd", "grad", "jvp", "vmap", "vmap_grad", "jvp_vmap", "grad_vmap")
+MODES = ("fwd", "grad", "jvp", "vmap", "vmap(grad)", "jvp(vmap)", "grad(vmap)")
 
 
 def scanner(kind):
@@ -154,22 +160,7 @@ def prog(mode, body, axis, style, n, kind):
         b, ys = sc(step, esb.ShiftBuffer(a, axis=axis), xs)
         return (b.array.astype(jnp.float32) ** 2).sum() + ys.sum()
 
-    if mode == "fwd":
-        return loss
-    if mode == "grad":
-        return jax.grad(loss, argnums=(0, 1))
-    if mode == "jvp":
-        return lambda s, a, xs: jax.jvp(lambda s, a: loss(s, a, xs), (s, a), (s, a))
-    if mode == "vmap":
-        return jax.vmap(loss, in_axes=(None, None, 0))
-    if mode == "vmap_grad":
-        return jax.vmap(jax.grad(loss, argnums=(0, 1)), in_axes=(None, None, 0))
-    if mode == "jvp_vmap":
-        vl = jax.vmap(loss, in_axes=(None, None, 0))
-        return lambda s, a, xs: jax.jvp(lambda s, a: vl(s, a, xs), (s, a), (s, a))
-    if mode == "grad_vmap":
-        vl = jax.vmap(loss, in_axes=(None, None, 0))
-        return jax.grad(lambda s, a, xs: vl(s, a, xs).sum(), argnums=(0, 1))
+    return natural.program(mode, loss)  # the corpus's modes
 
 
 DEFAULT_SHAPES = "flat,line,two,three,col,mid3,last3,ring,wide,lead,four,twotwo,unit3"
