@@ -44,7 +44,9 @@ behaviours are in `_xla.py`, each with the test that pins it. So:
   read that no access follows (a delay line's taps after its write) stays a slice
   that XLA fuses into its consumers, as in plain `lax` code.
 - *Writes* run straight-line, the same operations plain `lax` code would use, with
-  the pending token added to an index they really use (`_free_dim`).
+  the pending token added to an index they really use (`_free_dim`). A window of
+  a ring that may wrap round the end of its storage (`swap_p`'s `ring`) is one
+  scatter, and the old window it returns one gather.
 - *Every unbatched write spans two elements of each dimension of the buffer that
   has two*: a shift reads and writes a *2-line window*, its line and a neighbour
   along each dimension before the line's that has two elements (`window2_edit`),
@@ -408,7 +410,96 @@ def _accum_abstract(storage, tok, window, *starts, ordered, nbatch):
     return storage, tok
 
 
-def _swap_impl(storage, tok, update, *starts, read, nbatch=0):
+def _ring_indexed(sizes: Sequence[int], shape: Sequence[int], ring: int) -> tuple:
+    """The dimensions a ring window's gather or scatter indexes: `ring`, and those
+    the window does not span whole (a spanned one starts at 0). Indexing only
+    those lets XLA:CPU fuse the update's computation into the scatter, as it does
+    into a `dynamic_update_slice`; with every dimension indexed it did not (one
+    more kernel a step)."""
+    return tuple(d for d, n in enumerate(sizes) if d == ring or n < shape[d])
+
+
+def _ring_indices(st, sizes: Sequence[int], shape: Sequence[int], ring: int):
+    """The `(n, k)` start indices, along `_ring_indexed`'s `k` dimensions, of the
+    one-row slices of a window of `sizes` at `st` whose rows along `ring` wrap round
+    the end of the storage (of `shape`): row `i` at `(st[ring] + i) % shape[ring]`,
+    for `st[ring]` in range."""
+    n, cap = sizes[ring], shape[ring]
+    dims = _ring_indexed(sizes, shape, ring)
+    dtype = jnp.result_type(*[jnp.asarray(st[d]).dtype for d in dims])
+    rows = jnp.asarray(st[ring], dtype) + lax.iota(dtype, n)
+    rows = jnp.where(rows >= cap, rows - cap, rows)
+    cols = [rows if d == ring else jnp.full((n,), st[d], dtype) for d in dims]
+    return jnp.stack(cols, axis=1)
+
+
+def _ring_dims(ndim: int, ring: int) -> tuple[int, ...]:
+    return tuple(d for d in range(ndim) if d != ring)
+
+
+def _ring_gather(s, st, sizes: Sequence[int], ring: int):
+    """The window of `sizes` at `st` of `s` whose rows along `ring` wrap (a
+    gather; its indices in range, checked or promised as every start is)."""
+    dims = lax.GatherDimensionNumbers(
+        offset_dims=_ring_dims(s.ndim, ring),
+        collapsed_slice_dims=(ring,),
+        start_index_map=_ring_indexed(sizes, s.shape, ring),
+    )
+    slice_sizes = tuple(1 if d == ring else n for d, n in enumerate(sizes))
+    return lax.gather(
+        s,
+        _ring_indices(st, sizes, s.shape, ring),
+        dims,
+        slice_sizes,
+        mode=lax.GatherScatterMode.PROMISE_IN_BOUNDS,
+    )
+
+
+def _ring_scatter(s, st, u, ring: int):
+    """`s` with the window `u` written at `st`, its rows along `ring` wrapping: one
+    scatter, which XLA writes in place, where a window that may wrap is otherwise
+    two read-modify-writes of the windows at either end that hold it (1.8-2x plain
+    `lax`'s forward for a block written into a ring)."""
+    dims = lax.ScatterDimensionNumbers(
+        update_window_dims=_ring_dims(s.ndim, ring),
+        inserted_window_dims=(ring,),
+        scatter_dims_to_operand_dims=_ring_indexed(u.shape, s.shape, ring),
+    )
+    return lax.scatter(
+        s,
+        _ring_indices(st, u.shape, s.shape, ring),
+        u.astype(s.dtype),
+        dims,
+        indices_are_sorted=False,
+        unique_indices=True,
+        mode=lax.GatherScatterMode.PROMISE_IN_BOUNDS,
+    )
+
+
+def _ring_read_old(storage, tok, starts, sizes: Sequence[int], ring: int):
+    """`(old windows, token)`: the windows a ring swap overwrites, each a gather
+    (`_ring_gather`), read before the write. Unbatched, the gather is materialised
+    by a reduction (`pick_by_max`, as `window_by_reduce`), and the token taken from
+    it, so that the write waits for the read and its readers read the reduction's
+    result; batched, in a loop (a wall XLA does not reorder across)."""
+    bshape, size = _batch_size(starts)
+    if size == 1:
+        st = _element(starts, 0)
+        g = _ring_gather(storage, st, sizes, ring)
+        pair = jnp.stack([g, jnp.zeros_like(g)], 0)
+        old, bits = pick_by_max(pair, opaque_zero(st[ring]), 0)
+        return old.reshape(bshape + tuple(sizes)), _read_token(tok, bits)
+
+    def body(j, state):
+        s, out = state
+        return s, _put(out, j, _ring_gather(s, _element(starts, j), sizes, ring))
+
+    out = jnp.zeros((size,) + tuple(sizes), storage.dtype)
+    storage, out = _loop(tok, size, body, (storage, out))
+    return out.reshape(bshape + tuple(sizes)), _read_token(tok, out)
+
+
+def _swap_impl(storage, tok, update, *starts, read, nbatch=0, ring=None):
     tok_in = tok
     bshape, size = _batch_size(starts)
     if _touches_nothing(size, update.shape[len(bshape) :]):
@@ -417,28 +508,33 @@ def _swap_impl(storage, tok, update, *starts, read, nbatch=0):
     # through float32, dropping NaN payloads.
     dtype, storage, update = storage.dtype, to_carrier(storage), to_carrier(update)
     update = _flat(update, bshape)
-    if read:
+    sizes = update.shape[1:]
+    if read and ring is not None:
+        old, tok = _ring_read_old(storage, tok, starts, sizes, ring)
+    elif read:
         # Read the old windows (`_read_impl`), then write, with the write depending
         # on the read's token: the read is then ordered before the write by data
         # dependence. Reading and writing in one loop body leaves the read unordered
         # and XLA copies the buffer (the pop of the `mixed` corpus body).
-        storage, old, tok = _read_impl(storage, tok, *starts, sizes=update.shape[1:])
+        storage, old, tok = _read_impl(storage, tok, *starts, sizes=sizes)
     else:  # a plain dynamic_update_slice: the old windows are not wanted
-        old = jnp.zeros(bshape + update.shape[1:], update.dtype)
+        old = jnp.zeros(bshape + sizes, update.dtype)
 
     def body(j, s, starts):
         u = _take(update, j)
+        if ring is not None:
+            return _ring_scatter(s, _element(starts, j), u, ring)
         if size == 1:
             return widened_write(s, _element(starts, j), u.shape, lambda old: u)
         return lax.dynamic_update_slice(s, u, _element(starts, j))
 
-    at = _free_dim(update.shape[1:], storage.shape)
+    at = _free_dim(sizes, storage.shape)
     storage = _write(tok, size, body, storage, starts, at)
-    old = from_carrier(old.reshape(bshape + update.shape[1:]), dtype)
+    old = from_carrier(old.reshape(bshape + sizes), dtype)
     return from_carrier(storage, dtype), old, tok_in
 
 
-def _swap_abstract(storage, tok, update, *starts, read, nbatch):
+def _swap_abstract(storage, tok, update, *starts, read, nbatch, ring=None):
     return storage, _batch_aval(storage, update.shape, update.dtype, nbatch), tok
 
 
@@ -994,9 +1090,15 @@ def bind_accum(storage, tok, window, starts, ordered=False, nbatch=0):
     return accum_p.bind(storage, tok, window, *starts, ordered=ordered, nbatch=nbatch)
 
 
-def bind_swap(storage, tok, update, starts, read=True, nbatch=0):
-    """`(storage, old window, token)`."""
-    return swap_p.bind(storage, tok, update, *starts, read=read, nbatch=nbatch)
+def bind_swap(storage, tok, update, starts, read=True, nbatch=0, ring=None):
+    """`(storage, old window, token)`.
+
+    `ring`: the axis along which the window's rows wrap round the end of the
+    storage (a window of a ring, `_ops._ring_update`): row `i` is written at
+    `(starts[ring] + i) % storage.shape[ring]`, by a scatter."""
+    # Without `ring`, the parameter is left out: the equation is as before it existed.
+    extra = {} if ring is None else {"ring": ring}
+    return swap_p.bind(storage, tok, update, *starts, read=read, nbatch=nbatch, **extra)
 
 
 def bind_insert(storage, tok, value, idx, axis, ordered=False, nbatch=0):
@@ -1153,14 +1255,14 @@ def _accum_jvp(primals, tangents, *, ordered, nbatch):
     return out, list(t_out)
 
 
-def _swap_jvp(primals, tangents, *, read, nbatch):
+def _swap_jvp(primals, tangents, *, read, nbatch, ring=None):
     storage, tok, update, *starts = primals
-    out = swap_p.bind(storage, tok, update, *starts, read=read, nbatch=nbatch)
+    out = bind_swap(storage, tok, update, starts, read, nbatch, ring)
     ts, tt, tu = tangents[0], tangents[1], tangents[2]
     if _all_zero(ts, tu):
         return out, [_zero_tangent(out[0]), _zero_tangent(out[1]), tt]
     ts, tu = _inst(ts, storage), _inst(tu, update)
-    return out, list(bind_swap(ts, _inst(tt, tok), tu, starts, read, nbatch))
+    return out, list(bind_swap(ts, _inst(tt, tok), tu, starts, read, nbatch, ring))
 
 
 def _insert_jvp(primals, tangents, *, axis, ordered, nbatch):
@@ -1256,7 +1358,7 @@ def _accum_transpose(cts, storage, tok, window, *starts, ordered, nbatch):
     return [ct_st, _tok_ct(tok, t), ct_wt] + [None] * len(starts)
 
 
-def _swap_transpose(cts, storage, tok, update, *starts, read, nbatch):
+def _swap_transpose(cts, storage, tok, update, *starts, read, nbatch, ring=None):
     ct_s, ct_old, ct_t = cts
     if _all_zero(ct_s, ct_old):
         return [
@@ -1271,7 +1373,7 @@ def _swap_transpose(cts, storage, tok, update, *starts, read, nbatch):
         _ct_or_zeros(ct_old, _aval(update)) if read else _zeros_like_aval(_aval(update))
     )
     t = _ct_or_zeros(ct_t, _aval(tok))
-    ct_s, ct_u, t = bind_swap(ct_s, t, ct_old, starts, read=True, nbatch=nbatch)
+    ct_s, ct_u, t = bind_swap(ct_s, t, ct_old, starts, True, nbatch, ring)
     return [ct_s, _tok_ct(tok, t), ct_u] + [None] * len(starts)
 
 
@@ -1385,11 +1487,12 @@ def _accum_batch(args, dims, *, ordered, nbatch):
     return (s, t), (0, _tdim(t))
 
 
-def _swap_batch(args, dims, *, read, nbatch):
+def _swap_batch(args, dims, *, read, nbatch, ring=None):
     storage, tok, (update,), idx, _ = _batch_common(args, dims, 1, write=True)
     nb = len(idx[0].shape)
     update = update.reshape(update.shape[:nb] + (1,) + update.shape[nb:])
-    s, old, t = bind_swap(storage, tok, update, idx, read, nbatch + 1)
+    ring = None if ring is None else ring + 1  # the storage's new leading axis
+    s, old, t = bind_swap(storage, tok, update, idx, read, nbatch + 1, ring)
     return (s, old.reshape(old.shape[:nb] + old.shape[nb + 1 :]), t), (0, 0, _tdim(t))
 
 
