@@ -28,10 +28,8 @@ from jaxtyping import ArrayLike, Int
 from . import _primitives as P
 from ._xla import (
     check_on_the_side,
-    from_carrier,
     invariant,
     on_the_operands_mesh,
-    to_carrier,
     varying_axes,
 )
 
@@ -603,13 +601,15 @@ def _ring_read(
     """`(storage, window, token)`: the logical window of a ring at `starts`, whose
     entry along the ring's axis is the Python int `static` where the user gave one.
 
-    A window one element long along the ring's axis is one read (at a static
-    position, the read takes the head and the position as an offset: `read_p`'s
-    `wrap`, so that the reads of a delay line's taps save one residual a step
-    under `jax.grad` of a `lax.scan`, not one each); a whole line is
-    read whole and rotated; otherwise the window may wrap around the end of the
-    storage, and is read as the two windows of the same size at either end that
-    hold it, whose concatenation it is a slice of.
+    At a static position, the read takes the head and the position as an offset
+    (`read_p`'s `wrap`), so that the reads of a delay line's taps save one
+    residual a step under `jax.grad` of a `lax.scan`, the head, not one start
+    each. A window one element long along the ring's axis is one read; a whole
+    line is read whole and rotated; otherwise the window may wrap round the end
+    of the storage, and is one gather whose rows wrap (`read_p`'s `ring`), whose
+    transpose is one scatter-add. (Read as the two windows of the same size at
+    either end that hold it, it took two reads, and under `vmap(grad)` their
+    two transposed accumulations copied the batch once a step.)
     """
     assert b.ring is not None
     ax = b.ring.axis
@@ -624,14 +624,11 @@ def _ring_read(
     if n == cap:
         storage, window, tok = P.bind_read(b.storage, b.token, at(p * 0), sizes)
         return storage, _rotate(window, head, ax), tok
-    c1 = jnp.minimum(p, cap - n)
-    storage, w1, tok = P.bind_read(b.storage, b.token, at(c1), sizes)
-    storage, w2, tok = P.bind_read(storage, tok, at(p * 0), sizes)
-    # As bits (`_xla.carrier`): XLA:CPU would move bfloat16 and float8 through
-    # float32, dropping NaN payloads.
-    both = jnp.concatenate([to_carrier(w1), to_carrier(w2)], ax)
-    window = lax.dynamic_slice_in_dim(both, p - c1, n, ax)
-    return storage, from_carrier(window, w1.dtype), tok
+    if static is not None:  # the head saved, not the start (as for one row)
+        wrap = (ax, static, cap)
+        at_head = at(b.ring.head)
+        return P.bind_read(b.storage, b.token, at_head, sizes, wrap=wrap, ring=ax)
+    return P.bind_read(b.storage, b.token, at(p), sizes, ring=ax)
 
 
 def _ring_update(b: Leaves, upd: jax.Array, starts: list, head: jax.Array):

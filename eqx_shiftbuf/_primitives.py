@@ -274,12 +274,14 @@ def wrapped_starts(starts, wrap):
     return [*starts[:axis], p, *starts[axis + 1 :]]
 
 
-def _read_impl(storage, tok, *starts, sizes, nbatch=0, wrap=None):
+def _read_impl(storage, tok, *starts, sizes, nbatch=0, wrap=None, ring=None):
     starts = wrapped_starts(starts, wrap)
     bshape, size = _batch_size(starts)
     if _touches_nothing(size, sizes):
         out = jnp.zeros(bshape + tuple(sizes), storage.dtype)
         return storage, out, tok
+    if ring is not None:
+        return _ring_read_impl(storage, tok, starts, sizes, ring)
     d = _reduce_read(storage, size, sizes)
     if d is not None:
         window, bits = window_by_reduce(storage, _element(starts, 0), sizes, d)
@@ -354,7 +356,7 @@ def _batch_aval(storage, shape, dtype, nbatch: int) -> ShapedArray:
     return storage.update(shape=tuple(shape), dtype=dtype, sharding=sharding)
 
 
-def _read_abstract(storage, tok, *starts, sizes, nbatch, wrap=None):
+def _read_abstract(storage, tok, *starts, sizes, nbatch, wrap=None, ring=None):
     bshape = tuple(starts[0].shape) if starts else ()
     return (
         storage,
@@ -363,12 +365,21 @@ def _read_abstract(storage, tok, *starts, sizes, nbatch, wrap=None):
     )
 
 
-def _accum_impl(storage, tok, window, *starts, ordered, nbatch=0, scalars=True):
+def _accum_impl(
+    storage, tok, window, *starts, ordered, nbatch=0, scalars=True, ring=None
+):
     tok_in = tok
     bshape, size = _batch_size(starts)
     if _touches_nothing(size, window.shape[len(bshape) :]):
         return storage, tok
     window = _flat(window, bshape)
+    at = _free_dim(window.shape[1:], storage.shape)
+    if ring is not None:  # a scatter-add, in place; nothing read first
+
+        def ring_body(j, s, starts):
+            return _ring_scatter(s, _element(starts, j), _take(window, j), ring, True)
+
+        return _write(tok, size, ring_body, storage, starts, at), tok_in
     if size == 1 and tuple(window.shape[1:]) == tuple(storage.shape):
         # The whole buffer (the transpose of a whole-buffer read): see
         # `added_in_halves` for why it is not a plain add. `scalars` says whether
@@ -402,11 +413,10 @@ def _accum_impl(storage, tok, window, *starts, ordered, nbatch=0, scalars=True):
         old = lax.dynamic_slice(s, st, w.shape) if olds is None else _take(olds, j)
         return lax.dynamic_update_slice(s, old + w, st)
 
-    at = _free_dim(window.shape[1:], storage.shape)
     return _write(tok, size, body, storage, starts, at), tok_in
 
 
-def _accum_abstract(storage, tok, window, *starts, ordered, nbatch):
+def _accum_abstract(storage, tok, window, *starts, ordered, nbatch, ring=None):
     return storage, tok
 
 
@@ -455,17 +465,18 @@ def _ring_gather(s, st, sizes: Sequence[int], ring: int):
     )
 
 
-def _ring_scatter(s, st, u, ring: int):
+def _ring_scatter(s, st, u, ring: int, add: bool = False):
     """`s` with the window `u` written at `st`, its rows along `ring` wrapping: one
     scatter, which XLA writes in place, where a window that may wrap is otherwise
     two read-modify-writes of the windows at either end that hold it (1.8-2x plain
-    `lax`'s forward for a block written into a ring)."""
+    `lax`'s forward for a block written into a ring). With `add`, `u` is added
+    there (a scatter-add)."""
     dims = lax.ScatterDimensionNumbers(
         update_window_dims=_ring_dims(s.ndim, ring),
         inserted_window_dims=(ring,),
         scatter_dims_to_operand_dims=_ring_indexed(u.shape, s.shape, ring),
     )
-    return lax.scatter(
+    return (lax.scatter_add if add else lax.scatter)(
         s,
         _ring_indices(st, u.shape, s.shape, ring),
         u.astype(s.dtype),
@@ -476,27 +487,38 @@ def _ring_scatter(s, st, u, ring: int):
     )
 
 
-def _ring_read_old(storage, tok, starts, sizes: Sequence[int], ring: int):
-    """`(old windows, token)`: the windows a ring swap overwrites, each a gather
-    (`_ring_gather`), read before the write. Unbatched, the gather is materialised
-    by a reduction (`pick_by_max`, as `window_by_reduce`), and the token taken from
-    it, so that the write waits for the read and its readers read the reduction's
-    result; batched, in a loop (a wall XLA does not reorder across)."""
+def _ring_reduced(storage, st, sizes: Sequence[int], ring: int):
+    """`(window, bits)`: the window of a ring at `st` (`_ring_gather`), read
+    through a reduction (`pick_by_max`) that XLA materialises once."""
+    g = _ring_gather(storage, st, sizes, ring)
+    pair = jnp.stack([g, jnp.zeros_like(g)], 0)
+    return pick_by_max(pair, opaque_zero(st[ring]), 0)
+
+
+def _ring_read_impl(storage, tok, starts, sizes: Sequence[int], ring: int):
+    """`(storage, windows, token)`: windows of a ring whose rows along `ring` wrap
+    round the end of the storage, each a gather (`_ring_gather`). Unbatched, the
+    gather is materialised by a reduction (`pick_by_max`, as `window_by_reduce`)
+    and the token taken from it, so that the next write waits for the read and the
+    read's consumers read the reduction's result; batched, in a loop (a wall XLA
+    does not reorder across)."""
     bshape, size = _batch_size(starts)
+    dtype = storage.dtype
+    storage = to_carrier(storage)  # moved as bits: see `carrier`
     if size == 1:
-        st = _element(starts, 0)
-        g = _ring_gather(storage, st, sizes, ring)
-        pair = jnp.stack([g, jnp.zeros_like(g)], 0)
-        old, bits = pick_by_max(pair, opaque_zero(st[ring]), 0)
-        return old.reshape(bshape + tuple(sizes)), _read_token(tok, bits)
+        out, bits = _ring_reduced(storage, _element(starts, 0), sizes, ring)
+        tok = _read_token(tok, bits)
+    else:
 
-    def body(j, state):
-        s, out = state
-        return s, _put(out, j, _ring_gather(s, _element(starts, j), sizes, ring))
+        def body(j, state):
+            s, out = state
+            return s, _put(out, j, _ring_gather(s, _element(starts, j), sizes, ring))
 
-    out = jnp.zeros((size,) + tuple(sizes), storage.dtype)
-    storage, out = _loop(tok, size, body, (storage, out))
-    return out.reshape(bshape + tuple(sizes)), _read_token(tok, out)
+        out = jnp.zeros((size,) + tuple(sizes), storage.dtype)
+        storage, out = _loop(tok, size, body, (storage, out))
+        tok = _read_token(tok, out)
+    out = from_carrier(out.reshape(bshape + tuple(sizes)), dtype)
+    return from_carrier(storage, dtype), out, tok
 
 
 def _swap_impl(storage, tok, update, *starts, read, nbatch=0, ring=None):
@@ -510,7 +532,7 @@ def _swap_impl(storage, tok, update, *starts, read, nbatch=0, ring=None):
     update = _flat(update, bshape)
     sizes = update.shape[1:]
     if read and ring is not None:
-        old, tok = _ring_read_old(storage, tok, starts, sizes, ring)
+        storage, old, tok = _ring_read_impl(storage, tok, starts, sizes, ring)
     elif read:
         # Read the old windows (`_read_impl`), then write, with the write depending
         # on the read's token: the read is then ordered before the write by data
@@ -883,7 +905,7 @@ def _pop_abstract(storage, tok, *idx, axis, fill, read, ordered, nbatch):
 # Definitions.
 
 
-def _deferrable(ctx, *, sizes, nbatch, wrap=None) -> bool:
+def _deferrable(ctx, *, sizes, nbatch, wrap=None, ring=None) -> bool:
     """Whether a read may be lowered as a plain slice (`deferred_read`): when
     `_read_impl` would read it through a reduction, of a dtype XLA:CPU moves exactly
     (`DEFERRABLE_DTYPES`)."""
@@ -894,12 +916,14 @@ def _deferrable(ctx, *, sizes, nbatch, wrap=None) -> bool:
         and all(a.shape == () for a in starts)
         and not _touches_nothing(1, sizes)
         and storage.dtype in DEFERRABLE_DTYPES
-        and _reduce_read(storage, 1, sizes) is not None
+        and (ring is not None or _reduce_read(storage, 1, sizes) is not None)
     )
 
 
-def _reduced_read(storage, *starts, sizes):
+def _reduced_read(storage, *starts, sizes, ring=None):
     """`(window, bits)`: the read `_read_impl` makes through a reduction."""
+    if ring is not None:
+        return _ring_reduced(storage, starts, sizes, ring)
     d = _read_dim(sizes, storage.shape)
     assert d is not None  # `_deferrable` read it so
     return window_by_reduce(storage, starts, sizes, d)
@@ -979,13 +1003,35 @@ def _define(name: str, impl: Callable, abstract: Callable, n_arrays: int) -> Pri
             ctx, args = _with_wrapped_starts(ctx, args, params.pop("wrap"))
         if not many and name == "esb_read" and _deferrable(ctx, **params):
             storage, tok, *starts = args
-            window, tok = deferred_read(storage, tok, starts, params["sizes"])
+            sizes, ring = params["sizes"], params.get("ring")
+
+            def gather(storage, starts, ring=ring):
+                # The plain gather of a ring's window, for `deferred_read` (a
+                # plain read is a `dynamic_slice`, with no gather).
+                assert ring is not None
+                sub = ctx.replace(
+                    primitive=None,
+                    avals_in=[ctx.avals_in[0], *ctx.avals_in[2:]],
+                    avals_out=[ctx.avals_out[1]],
+                )
+                fn = lambda s, *st: [_ring_gather(s, st, sizes, ring)]
+                (out,) = mlir.lower_fun(fn, multiple_results=True)(
+                    sub, storage, *starts
+                )
+                return out
+
+            window, tok = deferred_read(storage, tok, starts, sizes, ring, gather)
             return [storage, window, tok]
         onto_zeros = False
         if not many:
             fold_cotangent_sum(ctx, args[0], _accum_unordered)
+            # (Not a ring's window: `fold_cotangent_sum` re-lowers a marked
+            # accumulation as an ordinary one.)
             onto_zeros = (
-                name == "esb_accum" and params["nbatch"] == 0 and is_zeros(args[0])
+                name == "esb_accum"
+                and params["nbatch"] == 0
+                and params.get("ring") is None
+                and is_zeros(args[0])
             )
             if onto_zeros:
                 window, starts = marked_onto_zeros(args[0], args[2], args[3:])
@@ -1064,7 +1110,7 @@ def _needs_order(storage, ordered: bool) -> bool:
     return ordered or _written_by_a_write(storage)
 
 
-def bind_read(storage, tok, starts, sizes, nbatch=0, wrap=None):
+def bind_read(storage, tok, starts, sizes, nbatch=0, wrap=None, ring=None):
     """`(storage, window, token)`.
 
     `nbatch` (every helper here): how many leading dimensions of the storage are
@@ -1076,18 +1122,27 @@ def bind_read(storage, tok, starts, sizes, nbatch=0, wrap=None):
     (`wrapped_starts`). The read's tangent takes the head, not the start: under
     `jax.grad` of a `lax.scan`, the reads of a ring at static offsets (a delay
     line's taps) then save one residual per step, the head, where each would save
-    its own start (a stacking kernel per read per step)."""
-    # Without `wrap`, the parameter is left out: the equation is as before it existed.
+    its own start (a stacking kernel per read per step).
+
+    `ring`: the axis along which the window's rows wrap round the end of the
+    storage (`bind_swap`); read by a gather."""
+    # Without them, the parameters are left out: the equation is as before they
+    # existed.
     extra = {} if wrap is None else {"wrap": wrap}
+    if ring is not None:
+        extra["ring"] = ring
     return read_p.bind(
         storage, tok, *starts, sizes=tuple(sizes), nbatch=nbatch, **extra
     )
 
 
-def bind_accum(storage, tok, window, starts, ordered=False, nbatch=0):
-    """`(storage, token)`."""
+def bind_accum(storage, tok, window, starts, ordered=False, nbatch=0, ring=None):
+    """`(storage, token)`. `ring`: as `bind_swap`'s (a scatter-add)."""
     ordered = _needs_order(storage, ordered)
-    return accum_p.bind(storage, tok, window, *starts, ordered=ordered, nbatch=nbatch)
+    extra = {} if ring is None else {"ring": ring}
+    return accum_p.bind(
+        storage, tok, window, *starts, ordered=ordered, nbatch=nbatch, **extra
+    )
 
 
 def bind_swap(storage, tok, update, starts, read=True, nbatch=0, ring=None):
@@ -1234,23 +1289,32 @@ def _all_zero(*ts):
     return all(type(t) is ad.Zero for t in ts)
 
 
-def _read_jvp(primals, tangents, *, sizes, nbatch, wrap=None):
+def _read_jvp(primals, tangents, *, sizes, nbatch, wrap=None, ring=None):
     storage, tok, *starts = primals
-    out = bind_read(storage, tok, starts, sizes, nbatch, wrap)
+    out = bind_read(storage, tok, starts, sizes, nbatch, wrap, ring)
     ts, tt = tangents[0], tangents[1]
     if type(ts) is ad.Zero:
         return out, [_zero_tangent(out[0]), _zero_tangent(out[1]), tt]
-    return out, list(bind_read(ts, _inst(tt, tok), starts, sizes, nbatch, wrap))
+    return out, list(bind_read(ts, _inst(tt, tok), starts, sizes, nbatch, wrap, ring))
 
 
-def _accum_jvp(primals, tangents, *, ordered, nbatch):
+def _accum_jvp(primals, tangents, *, ordered, nbatch, ring=None):
     storage, tok, window, *starts = primals
-    out = accum_p.bind(storage, tok, window, *starts, ordered=ordered, nbatch=nbatch)
+    extra = {} if ring is None else {"ring": ring}
+    out = accum_p.bind(
+        storage, tok, window, *starts, ordered=ordered, nbatch=nbatch, **extra
+    )
     ts, tt, tw = tangents[0], tangents[1], tangents[2]
     if _all_zero(ts, tw):
         return out, [_zero_tangent(out[0]), tt]
     t_out = bind_accum(
-        _inst(ts, storage), _inst(tt, tok), _inst(tw, window), starts, ordered, nbatch
+        _inst(ts, storage),
+        _inst(tt, tok),
+        _inst(tw, window),
+        starts,
+        ordered,
+        nbatch,
+        ring,
     )
     return out, list(t_out)
 
@@ -1334,7 +1398,7 @@ def _tok_ct(tok, ct):
     return ct if ad.is_undefined_primal(tok) else None
 
 
-def _read_transpose(cts, storage, tok, *starts, sizes, nbatch, wrap=None):
+def _read_transpose(cts, storage, tok, *starts, sizes, nbatch, wrap=None, ring=None):
     ct_s, ct_w, ct_t = cts
     if _all_zero(ct_s, ct_w):
         return [ad.Zero(_aval(storage)), _tok_ct(tok, ct_t)] + [None] * len(starts)
@@ -1342,17 +1406,17 @@ def _read_transpose(cts, storage, tok, *starts, sizes, nbatch, wrap=None):
     t = _ct_or_zeros(ct_t, _aval(tok))
     if type(ct_w) is not ad.Zero:
         at = wrapped_starts(starts, wrap)
-        ct_s, t = bind_accum(ct_s, t, ct_w, at, nbatch=nbatch)
+        ct_s, t = bind_accum(ct_s, t, ct_w, at, nbatch=nbatch, ring=ring)
     return [ct_s, _tok_ct(tok, t)] + [None] * len(starts)
 
 
-def _accum_transpose(cts, storage, tok, window, *starts, ordered, nbatch):
+def _accum_transpose(cts, storage, tok, window, *starts, ordered, nbatch, ring=None):
     ct_s, ct_t = cts
     if type(ct_s) is ad.Zero:
         return [ct_s, _tok_ct(tok, ct_t), ad.Zero(_aval(window))] + [None] * len(starts)
     sizes = _aval(window).shape[len(starts[0].shape) :]
     t = _ct_or_zeros(ct_t, _aval(tok))
-    ct_s, ct_w, t = bind_read(ct_s, t, starts, sizes, nbatch)
+    ct_s, ct_w, t = bind_read(ct_s, t, starts, sizes, nbatch, ring=ring)
     ct_st = ct_s if ad.is_undefined_primal(storage) else None
     ct_wt = ct_w if ad.is_undefined_primal(window) else None
     return [ct_st, _tok_ct(tok, t), ct_wt] + [None] * len(starts)
@@ -1465,25 +1529,27 @@ def _tdim(tok) -> int | None:
     return 0 if jnp.ndim(tok) else None
 
 
-def _read_batch(args, dims, *, sizes, nbatch, wrap=None):
+def _read_batch(args, dims, *, sizes, nbatch, wrap=None, ring=None):
     if wrap is not None:  # the start resolved, on the batch of heads
         storage, tok, *starts = args
         args = (storage, tok, *wrapped_starts(starts, wrap))
     storage, tok, _, idx, sb = _batch_common(args, dims, 0, write=False)
     if sb:
         sizes = (1,) + tuple(sizes)
+        ring = None if ring is None else ring + 1  # the storage's new leading axis
     # A read of an unbatched storage at batched indices is not split over devices.
-    s, w, t = bind_read(storage, tok, idx, sizes, nbatch + 1 if sb else 0)
+    s, w, t = bind_read(storage, tok, idx, sizes, nbatch + 1 if sb else 0, ring=ring)
     if sb:
         w = w.reshape(w.shape[: len(idx[0].shape)] + w.shape[len(idx[0].shape) + 1 :])
     return (s, w, t), (0 if sb else None, 0, _tdim(t))
 
 
-def _accum_batch(args, dims, *, ordered, nbatch):
+def _accum_batch(args, dims, *, ordered, nbatch, ring=None):
     storage, tok, (window,), idx, _ = _batch_common(args, dims, 1, write=True)
     nb = len(idx[0].shape)
     window = window.reshape(window.shape[:nb] + (1,) + window.shape[nb:])
-    s, t = bind_accum(storage, tok, window, idx, ordered, nbatch + 1)
+    ring = None if ring is None else ring + 1  # the storage's new leading axis
+    s, t = bind_accum(storage, tok, window, idx, ordered, nbatch + 1, ring)
     return (s, t), (0, _tdim(t))
 
 

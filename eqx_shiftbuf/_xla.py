@@ -513,9 +513,14 @@ _DEFERRED_READ = "esb.deferred_read"
 _READ_TOKEN = "esb.read_token"
 
 
-def deferred_read(storage: ir.Value, tok: ir.Value, starts, sizes):
+def deferred_read(
+    storage: ir.Value, tok: ir.Value, starts, sizes, ring=None, gather=None
+):
     """`(window, token)`: the unbatched read `storage[starts : starts + sizes]`,
     lowered as a plain `dynamic_slice`, for `materialise_deferred_reads` to find.
+    A window of a ring whose rows wrap along the axis `ring` is a plain gather
+    instead, `gather(storage, starts)` (a `stablehlo.gather` of `storage`), and
+    its mark records `ring` and `sizes`.
 
     The starts and the token go through one `optimization_barrier` (so that XLA
     sees the starts as run-time values, as in `run_time_indices`, and so that the
@@ -528,12 +533,40 @@ def deferred_read(storage: ir.Value, tok: ir.Value, starts, sizes):
     by every copy count of the suite.
     """
     tok, *starts = hlo.OptimizationBarrierOp([tok, *starts]).results
-    sliced = hlo.DynamicSliceOp(storage, starts, mlir.dense_int_array(list(sizes)))
-    window = hlo.ReshapeOp(sliced.result.type, sliced.result)
+    if ring is None:
+        read = hlo.DynamicSliceOp(storage, starts, mlir.dense_int_array(list(sizes)))
+        value = read.result
+    else:
+        assert gather is not None
+        value = gather(storage, starts)
+        op = _operation(value.owner)
+        assert op is not None and op.name == "stablehlo.gather"
+    window = hlo.ReshapeOp(value.type, value)
     window.operation.attributes[_DEFERRED_READ] = ir.UnitAttr.get()
+    if ring is not None:
+        i64 = ir.IntegerType.get_signless(64)
+        window.operation.attributes[_RING] = ir.IntegerAttr.get(i64, ring)
+        window.operation.attributes[_SIZES] = mlir.dense_int_array(list(sizes))
     hook = hlo.ReshapeOp(tok.type, tok)
     hook.operation.attributes[_READ_TOKEN] = ir.UnitAttr.get()
     return window.result, hook.result
+
+
+_RING = "esb.deferred_ring"
+_SIZES = "esb.deferred_sizes"
+
+
+def _barrier_above(v: ir.Value) -> ir.Operation:
+    """The `optimization_barrier` a deferred gather's indices are computed from."""
+    todo = [v]
+    while todo:
+        op = _operation(todo.pop().owner)
+        if op is None:
+            continue
+        if op.name == "stablehlo.optimization_barrier":
+            return op
+        todo.extend(op.operands)
+    raise AssertionError("eqx_shiftbuf: a deferred gather without its barrier")
 
 
 # A read of a buffer's storage traced after an edit of that storage reads the value
@@ -731,7 +764,7 @@ def _marks(values) -> list:
             sliced = _operation(use.owner)
             if (
                 sliced is None
-                or sliced.name != "stablehlo.dynamic_slice"
+                or sliced.name not in ("stablehlo.dynamic_slice", "stablehlo.gather")
                 or use.operand_number != 0
             ):
                 continue
@@ -804,7 +837,18 @@ def _materialise(ctx, mark: ir.Operation, reduced: Callable, token_after: Callab
     `token_after(token, bits)`, the token a read returns. Returns `bits`."""
     sliced = _operation(mark.operands[0].owner)
     assert sliced is not None
-    barrier = _operation(sliced.operands[1].owner)
+    ring = None
+    if _RING in mark.attributes:  # a gather (`deferred_read`)
+        ring = ir.IntegerAttr(mark.attributes[_RING]).value
+        sizes = tuple(ir.DenseI64ArrayAttr(mark.attributes[_SIZES]))
+        barrier = _barrier_above(sliced.operands[1])
+        starts = list(barrier.results[1:])
+        del mark.attributes[_RING]
+        del mark.attributes[_SIZES]
+    else:
+        barrier = _operation(sliced.operands[1].owner)
+        starts = list(sliced.operands[1:])
+        sizes = tuple(ir.DenseI64ArrayAttr(sliced.attributes["slice_sizes"]))
     assert barrier is not None and barrier.name == "stablehlo.optimization_barrier"
     tok = barrier.results[0]
     hook = next(
@@ -812,10 +856,9 @@ def _materialise(ctx, mark: ir.Operation, reduced: Callable, token_after: Callab
         for op in (_operation(u.owner) for u in tok.uses)
         if op is not None and _READ_TOKEN in op.attributes
     )
-    storage, starts = sliced.operands[0], list(sliced.operands[1:])
-    sizes = tuple(ir.DenseI64ArrayAttr(sliced.attributes["slice_sizes"]))
+    storage = sliced.operands[0]
     avals_in = [_aval_of(storage)] + [_aval_of(i) for i in starts]
-    fn = functools.partial(reduced, sizes=sizes)
+    fn = functools.partial(reduced, sizes=sizes, ring=ring)
     avals_out = [ShapedArray(a.shape, a.dtype) for a in jax.eval_shape(fn, *avals_in)]
     sub = ctx.replace(primitive=None, avals_in=avals_in, avals_out=avals_out)
     with ir.InsertionPoint(sliced):

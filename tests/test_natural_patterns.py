@@ -89,9 +89,9 @@ IN_PLACE = [
     ("read_old", "fwd"),
     ("read_old", "grad"),
     ("read_old", "jvp"),
-    # A `dynamic_update_slice` at a Python-int start of a ring: its transpose
-    # (zero the window, then add the read's cotangent there) reads the window in a
-    # loop after the zeroing (`_primitives._accum_impl`); plain `lax` copies too.
+    # A block written at a Python-int start of a ring, where it may wrap: one
+    # scatter, whose transpose gathers the block's cotangent, then scatters zeros
+    # there (`_primitives._ring_read_old`); plain `lax` copies.
     ("block_write", "grad"),
     # Lines indexed by two dimensions: the shifts' windows span two lines along
     # both (`_xla.window2_edit`).

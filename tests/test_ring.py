@@ -347,6 +347,54 @@ def test_static_taps_of_a_ring_match_plain_lax(mode, shape, traced_tap):
         np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5)
 
 
+def _window_step(rows: int):
+    """A delay line's step reading windows of `rows` frames at static offsets
+    (which wrap round the ring's storage as its head moves) and one at a traced
+    offset."""
+
+    def step(b, x):
+        v, c = x
+        k = b.shape[0]
+        b = b.insert(0, _frame(v, b.shape[1:]))
+        y = jnp.zeros((), v.dtype)
+        for t in (0, 3, k - rows):
+            b, w = b.read((t,) + (0,) * (b.ndim - 1), (rows,) + b.shape[1:])
+            y = y + jnp.sin(v * w).sum()
+        b, w = b.read(
+            (c % (k - rows + 1),) + (0,) * (b.ndim - 1), (rows,) + b.shape[1:]
+        )
+        return b, y + (v * w).sum()
+
+    return step
+
+
+def _window_step_plain(rows: int):
+    def step(a, x):
+        v, c = x
+        k = a.shape[0]
+        a = jnp.concatenate([_frame(v, a.shape[1:])[None], a[:-1]])
+        y = jnp.zeros((), v.dtype)
+        for t in (0, 3, k - rows):
+            y = y + jnp.sin(v * a[t : t + rows]).sum()
+        w = lax.dynamic_slice_in_dim(a, c % (k - rows + 1), rows)
+        return a, y + (v * w).sum()
+
+    return step
+
+
+@pytest.mark.parametrize("mode", ["fwd", "grad", "jvp", "vmap(grad)", "jvp(vmap)"])
+def test_windows_of_several_rows_of_a_ring_match_plain_lax(mode):
+    # Each window is one gather whose rows wrap (`read_p`'s `ring`), at a static
+    # offset from the head (`wrap`) or a traced start.
+    args = _batched(mode, _delay_args((8, 3)))
+    lib = _delay_loss(_window_step(3), lambda a: esb.ShiftBuffer(a, 0))
+    plain = _delay_loss(_window_step_plain(3), lambda a: a)
+    got = jax.jit(_under(mode, lib))(*args)
+    want = jax.jit(_under(mode, plain))(*args)
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5)
+
+
 def test_static_taps_of_a_ring_match_finite_differences():
     a, v, c = _delay_args((8, 3))
     loss = _delay_loss(_delay_step(TAPS, True), lambda a: esb.ShiftBuffer(a, 0))
@@ -471,6 +519,30 @@ def test_a_window_written_into_a_ring_is_one_write():
     ]
     assert len(writes) == 2, "\n".join(writes)  # one each
     assert esb.find_loop_copies(loss, a, xs, min_bytes=a.nbytes // 2) == []
+
+
+@pytest.mark.parametrize("mode", ["vmap(grad)", "grad(vmap)"])
+def test_a_window_read_at_a_python_int_start_of_a_batch_of_rings_is_in_place(mode):
+    # A window of several elements of a ring was read as the two windows at either
+    # end of the storage that may hold it; batched, their transposes (two
+    # accumulations in loops) copied the batch once a step. It is one gather, and
+    # its transpose one scatter-add.
+    def loss(s, a, xs):
+        def step(b, v):
+            return b, (b.dynamic_slice((3,), (16,)) * v * s).sum()
+
+        b, ys = lax.scan(step, esb.ShiftBuffer(a, axis=0), xs)
+        return (b.array**2).sum() + ys.sum()
+
+    xs = jnp.stack([jnp.linspace(0.1, 1, 12), jnp.linspace(1, 2, 12)])
+    a = jnp.ones(4096, jnp.float32)
+    if mode == "vmap(grad)":
+        fn = jax.vmap(jax.grad(loss, argnums=(0, 1)), in_axes=(None, None, 0))
+    else:
+        vl = jax.vmap(loss, in_axes=(None, None, 0))
+        fn = jax.grad(lambda s, a, xs: vl(s, a, xs).sum(), argnums=(0, 1))
+    copies = esb.find_loop_copies(fn, jnp.float32(0.5), a, xs, min_bytes=a.nbytes // 2)
+    assert copies == [], "\n".join(map(str, copies))
 
 
 def test_a_window_of_rows_of_a_ring_is_read_without_a_loop():
