@@ -274,7 +274,9 @@ def wrapped_starts(starts, wrap):
     return [*starts[:axis], p, *starts[axis + 1 :]]
 
 
-def _read_impl(storage, tok, *starts, sizes, nbatch=0, wrap=None, ring=None):
+def _read_impl(
+    storage, tok, *starts, sizes, nbatch=0, wrap=None, ring=None, in_loop=False
+):
     starts = wrapped_starts(starts, wrap)
     bshape, size = _batch_size(starts)
     if _touches_nothing(size, sizes):
@@ -282,7 +284,7 @@ def _read_impl(storage, tok, *starts, sizes, nbatch=0, wrap=None, ring=None):
         return storage, out, tok
     if ring is not None:
         return _ring_read_impl(storage, tok, starts, sizes, ring)
-    d = _reduce_read(storage, size, sizes)
+    d = None if in_loop else _reduce_read(storage, size, sizes)
     if d is not None:
         window, bits = window_by_reduce(storage, _element(starts, 0), sizes, d)
         out = window.reshape(bshape + tuple(sizes))
@@ -292,7 +294,7 @@ def _read_impl(storage, tok, *starts, sizes, nbatch=0, wrap=None, ring=None):
         # step of the kv-cache body under grad).
         return storage, out, _read_token(tok, bits)
 
-    if size == 1 and tuple(sizes) == tuple(storage.shape):
+    if size == 1 and tuple(sizes) == tuple(storage.shape) and not in_loop:
         # The whole buffer: the window is the storage itself. Read in a loop, it
         # was copied into the loop's state every step (a whole-buffer
         # `dynamic_slice` after an insert: 1 copy forward, 2 in grad, 4 in jvp);
@@ -521,7 +523,7 @@ def _ring_read_impl(storage, tok, starts, sizes: Sequence[int], ring: int):
     return from_carrier(storage, dtype), out, tok
 
 
-def _swap_impl(storage, tok, update, *starts, read, nbatch=0, ring=None):
+def _swap_impl(storage, tok, update, *starts, read, nbatch=0, ring=None, ordered=False):
     tok_in = tok
     bshape, size = _batch_size(starts)
     if _touches_nothing(size, update.shape[len(bshape) :]):
@@ -538,7 +540,10 @@ def _swap_impl(storage, tok, update, *starts, read, nbatch=0, ring=None):
         # on the read's token: the read is then ordered before the write by data
         # dependence. Reading and writing in one loop body leaves the read unordered
         # and XLA copies the buffer (the pop of the `mixed` corpus body).
-        storage, old, tok = _read_impl(storage, tok, *starts, sizes=sizes)
+        # `ordered` (see `bind_swap`): in a loop of its own.
+        storage, old, tok = _read_impl(
+            storage, tok, *starts, sizes=sizes, in_loop=ordered
+        )
     else:  # a plain dynamic_update_slice: the old windows are not wanted
         old = jnp.zeros(bshape + sizes, update.dtype)
 
@@ -556,7 +561,9 @@ def _swap_impl(storage, tok, update, *starts, read, nbatch=0, ring=None):
     return from_carrier(storage, dtype), old, tok_in
 
 
-def _swap_abstract(storage, tok, update, *starts, read, nbatch, ring=None):
+def _swap_abstract(
+    storage, tok, update, *starts, read, nbatch, ring=None, ordered=False
+):
     return storage, _batch_aval(storage, update.shape, update.dtype, nbatch), tok
 
 
@@ -1084,23 +1091,41 @@ pop_p = _define("esb_pop", _pop_impl, _pop_abstract, 2)
 # would be a residual, saved every step).
 
 
-def _written_by_a_write(storage) -> bool:
-    """Whether `storage` is, in the program being traced, the storage output of a
-    straight-line write primitive (`accum_p`, `swap_p`, `insert_p`, `pop_p`).
-
-    Read off the trace itself (the equation that produced the tracer), so no state
-    is kept. Where the trace does not say (eager values, other tracers), False: the
-    access is then not `ordered`, which costs copies, never values.
-    """
+def _producer(storage):
+    """`(primitive, params)` of the equation that produced `storage` in the
+    program being traced, if it is a straight-line write primitive's storage
+    output (`_WRITES`); else None. Read off the trace itself, so no state is
+    kept; where the trace does not say (eager values, other tracers), None."""
     eqn = getattr(storage, "parent", None)  # jit's tracer: the producing equation
     if eqn is not None and getattr(eqn, "primitive", None) in _WRITES:
         outvars = getattr(eqn, "outvars", ())
-        return bool(outvars) and outvars[0] is getattr(storage, "val", None)
+        if outvars and outvars[0] is getattr(storage, "val", None):
+            return eqn.primitive, eqn.params
     recipe = getattr(storage, "recipe", None)  # partial evaluation (linearize)
     if recipe is not None and getattr(recipe, "primitive", None) in _WRITES:
         refs = getattr(recipe, "out_tracer_refs", ())
-        return bool(refs) and refs[0]() is storage
-    return False
+        if refs and refs[0]() is storage:
+            return recipe.primitive, recipe.params
+    return None
+
+
+def _after_a_whole_line_shift(storage) -> bool:
+    """Whether `storage` is the output of an unbatched shift (`insert_p`,
+    `pop_p`) of a buffer whose line is the whole buffer (`_whole_line`): a
+    `select` over all of it."""
+    found = _producer(storage)
+    if found is None or found[0] not in (insert_p, pop_p):
+        return False
+    params = found[1]
+    return params["nbatch"] == 0 and _whole_line(jax.typeof(storage), 1, params["axis"])
+
+
+def _written_by_a_write(storage) -> bool:
+    """Whether `storage` is, in the program being traced, the storage output of a
+    straight-line write primitive (`accum_p`, `swap_p`, `insert_p`, `pop_p`).
+    Where the trace does not say (`_producer`), False: the access is then not
+    `ordered`, which costs copies, never values."""
+    return _producer(storage) is not None
 
 
 def _needs_order(storage, ordered: bool) -> bool:
@@ -1151,8 +1176,17 @@ def bind_swap(storage, tok, update, starts, read=True, nbatch=0, ring=None):
     `ring`: the axis along which the window's rows wrap round the end of the
     storage (a window of a ring, `_ops._ring_update`): row `i` is written at
     `(starts[ring] + i) % storage.shape[ring]`, by a scatter."""
-    # Without `ring`, the parameter is left out: the equation is as before it existed.
+    # Without them, the parameters are left out: the equation is as before they
+    # existed.
     extra = {} if ring is None else {"ring": ring}
+    if read and ring is None and nbatch == 0 and _after_a_whole_line_shift(storage):
+        # The old window is read in a loop of its own: read through a reduction,
+        # XLA:CPU fused the shift's `select` over the whole buffer into it, which
+        # then read the buffer from before the shift, unordered with respect to
+        # the shift's in-place write: a copy a step (a pop at the back of a ring
+        # then an insert beside it, under `grad`: the transposed insert, a shift
+        # of the cotangent, then the transposed pop, a swap that reads).
+        extra["ordered"] = True
     return swap_p.bind(storage, tok, update, *starts, read=read, nbatch=nbatch, **extra)
 
 
@@ -1319,7 +1353,7 @@ def _accum_jvp(primals, tangents, *, ordered, nbatch, ring=None):
     return out, list(t_out)
 
 
-def _swap_jvp(primals, tangents, *, read, nbatch, ring=None):
+def _swap_jvp(primals, tangents, *, read, nbatch, ring=None, ordered=False):
     storage, tok, update, *starts = primals
     out = bind_swap(storage, tok, update, starts, read, nbatch, ring)
     ts, tt, tu = tangents[0], tangents[1], tangents[2]
@@ -1422,7 +1456,9 @@ def _accum_transpose(cts, storage, tok, window, *starts, ordered, nbatch, ring=N
     return [ct_st, _tok_ct(tok, t), ct_wt] + [None] * len(starts)
 
 
-def _swap_transpose(cts, storage, tok, update, *starts, read, nbatch, ring=None):
+def _swap_transpose(
+    cts, storage, tok, update, *starts, read, nbatch, ring=None, ordered=False
+):
     ct_s, ct_old, ct_t = cts
     if _all_zero(ct_s, ct_old):
         return [
@@ -1553,7 +1589,7 @@ def _accum_batch(args, dims, *, ordered, nbatch, ring=None):
     return (s, t), (0, _tdim(t))
 
 
-def _swap_batch(args, dims, *, read, nbatch, ring=None):
+def _swap_batch(args, dims, *, read, nbatch, ring=None, ordered=False):
     storage, tok, (update,), idx, _ = _batch_common(args, dims, 1, write=True)
     nb = len(idx[0].shape)
     update = update.reshape(update.shape[:nb] + (1,) + update.shape[nb:])

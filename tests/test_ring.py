@@ -545,6 +545,27 @@ def test_a_window_read_at_a_python_int_start_of_a_batch_of_rings_is_in_place(mod
     assert copies == [], "\n".join(map(str, copies))
 
 
+def test_a_pop_at_the_back_then_an_insert_beside_it_is_in_place_under_grad():
+    # Transposed, the insert is a shift of the cotangent (a `select` over the whole
+    # buffer), then the pop a swap that reads an element of it: read through a
+    # reduction, XLA fused the `select` into it, which then read the cotangent from
+    # before the shift: a copy a step. The swap reads in a loop after such a shift.
+    k = 64
+
+    def loss(s, a, xs):
+        def step(b, v):
+            b, r = b.pop(k - 1)
+            return b.insert(k - 2, r * v * s), r.sum()
+
+        b, ys = lax.scan(step, esb.ShiftBuffer(a, axis=0), xs)
+        return (b.array**2).sum() + ys.sum()
+
+    a, xs = jnp.ones((k, 32), jnp.float32), jnp.linspace(0.1, 1.0, 12)
+    fn = jax.grad(loss, argnums=(0, 1))
+    copies = esb.find_loop_copies(fn, jnp.float32(0.5), a, xs, min_bytes=a.nbytes // 2)
+    assert copies == [], "\n".join(map(str, copies))
+
+
 def test_a_window_of_rows_of_a_ring_is_read_without_a_loop():
     # A window of several frames of a delay line has no dimension it is 1 wide in;
     # it is read through a reduction with the window one row further
