@@ -28,8 +28,10 @@ from jaxtyping import ArrayLike, Int
 from . import _primitives as P
 from ._xla import (
     check_on_the_side,
+    from_carrier,
     invariant,
     on_the_operands_mesh,
+    to_carrier,
     varying_axes,
 )
 
@@ -668,6 +670,106 @@ def _static_end(index: Any, axis: int, cap: int) -> str | None:
     return "front" if c == 0 else "back" if c == cap - 1 else None
 
 
+# A shift at a Python-int position `p` of a ring moves only the elements between
+# `p` and the nearer end: towards the back, `[p, K)` shifts within its window;
+# towards the front, the head moves and `[0, p)` shifts the other way. Each side
+# is a read and a write of that window (a gather and a scatter where it may wrap
+# round the storage), O(min(p, K - p)), where a shift of the whole line is a
+# `select` over the buffer and its materialised roll, three kernels over all of
+# it (2.5-6x plain `lax`'s static concatenations, forward, on a (1024, 32) ring).
+def _window_shift_side(b: Leaves, index: Any, axis: int) -> tuple[int, str] | None:
+    """`(p, side)` where a shift of the ring `b` at the user's `index` moves a
+    window (`side` 'back' or 'front', the nearer end): `index`'s entry along the
+    line is a Python or NumPy int `p` not at an end, and that window is short
+    enough to be the cheaper (`_ROW_COST`). Else None."""
+    if b.ring is None:
+        return None
+    cap = b.storage.shape[axis]
+    p = _static_entry(index, axis, axis + 1)
+    if p is None or not 0 < p < cap - 1:
+        return None
+    back, front = cap - p, p + 1
+    row = math.prod(b.storage.shape[axis + 1 :])
+    if min(back, front) * (row + _ROW_COST) > cap * row:
+        return None
+    return p, "back" if back <= front else "front"
+
+
+# What moving one element of a line through a window (a gather and a scatter) costs
+# beyond its values, in values moved by a whole-line shift (a `select` and a
+# materialised roll): a window of `m` elements of `row` values each is moved
+# where `m * (row + _ROW_COST) <= K * row`. Measured on XLA:CPU with an insert and
+# a pop a step (`benchmarks/experiments/window_shifts.py`): the two cost the same
+# at about a sixth of a (4096,) line, at about half a (1024, 4) one, and a
+# window of half a (1024, 32) delay line took a fifth of the whole line's time.
+_ROW_COST = 5
+
+
+def _line_window(b: Leaves, idx: list, axis: int, at: int, n: int, head):
+    """`(leaves, window)`: the `n` elements of the ring's line from logical `at`."""
+    shape = b.storage.shape
+    starts = (
+        list(idx[:axis]) + [jnp.int32(at)] + [jnp.int32(0)] * (len(shape) - axis - 1)
+    )
+    sizes = (1,) * axis + (n,) + tuple(shape[axis + 1 :])
+    storage, window, tok = _ring_read(b, starts, sizes, head, at)
+    return b._replace(storage=storage, token=tok), window
+
+
+def _write_line_window(b: Leaves, idx: list, axis: int, at: int, new, head) -> Leaves:
+    """The leaves after writing `new` into the ring's line from logical `at`."""
+    starts = list(idx[:axis]) + [jnp.int32(at)] + [jnp.int32(0)] * (new.ndim - axis - 1)
+    storage, tok = _ring_update(b, new, starts, head)
+    return b._replace(storage=storage, token=tok)
+
+
+def _joined(parts: list, axis: int):
+    """`parts` concatenated along `axis`, as bits (`_xla.carrier`): XLA:CPU moves
+    the bfloat16 and float8 values of a concatenation through float32."""
+    dtype = parts[0].dtype
+    return from_carrier(jnp.concatenate([to_carrier(x) for x in parts], axis), dtype)
+
+
+def _windowed_insert(b: Leaves, idx: list, axis: int, val, p: int, side: str):
+    """`insert_at` at the static position `p` of a ring (`_window_shift_side`)."""
+    assert b.ring is not None
+    cap = b.storage.shape[axis]
+    head = _ring_head(b.ring)
+    h = jnp.int32(0) if head is None else head
+    row = val.reshape((1,) * (axis + 1) + val.shape)
+    if side == "back":  # [p, K - 1) moves to [p + 1, K)
+        b, w = _line_window(b, idx, axis, p, cap - 1 - p, h)
+        return _write_line_window(b, idx, axis, p, _joined([row, w], axis), h), None
+    # The head moves back one, over the last element; [0, p) moves one towards it.
+    b, w = _line_window(b, idx, axis, 0, p, h)
+    new_head = _wrap(h + (cap - 1), cap)
+    b = _write_line_window(b, idx, axis, 0, _joined([w, row], axis), new_head)
+    return b, new_head
+
+
+def _windowed_pop(b: Leaves, idx: list, axis: int, fill, p: int, side: str):
+    """`(leaves, removed, new head or None)`: `pop_at` at the static position `p`
+    of a ring (`_window_shift_side`)."""
+    assert b.ring is not None
+    cap, dtype = b.storage.shape[axis], b.storage.dtype
+    head = _ring_head(b.ring)
+    h = jnp.int32(0) if head is None else head
+    if side == "back":  # [p + 1, K) moves to [p, K - 1); `fill` at the end
+        b, w = _line_window(b, idx, axis, p, cap - p, h)
+        row = jnp.full((1,) * (axis + 1) + w.shape[axis + 1 :], fill, dtype)
+        removed = lax.index_in_dim(w, 0, axis, keepdims=False)
+        new = _joined([lax.slice_in_dim(w, 1, cap - p, axis=axis), row], axis)
+        return _write_line_window(b, idx, axis, p, new, h), removed, None
+    # [0, p) moves one towards the back, over the element removed; the head moves
+    # on, and `fill` goes where the first element was, now the end.
+    b, w = _line_window(b, idx, axis, 0, p + 1, h)
+    row = jnp.full((1,) * (axis + 1) + w.shape[axis + 1 :], fill, dtype)
+    removed = lax.index_in_dim(w, p, axis, keepdims=False)
+    new = _joined([row, lax.slice_in_dim(w, 0, p, axis=axis)], axis)
+    b = _write_line_window(b, idx, axis, 0, new, h)
+    return b, removed, _wrap(h + 1, cap)
+
+
 def _element_window(b: Leaves, idx: list, col: jax.Array):
     """`(starts, sizes)` of the element of `b`'s line at physical position `col`."""
     assert b.ring is not None
@@ -771,6 +873,12 @@ def insert_at(b: Leaves, index: Any, value: Any, axis: int, mode: str | None) ->
     val = check_value(value, vshape, b.storage.dtype, "value", f"x.shape[{axis}+1:]")
     cap, head = shape[axis], _ring_head(b.ring)
     end = None if b.ring is None else _static_end(index, axis, cap)
+    windowed = _window_shift_side(b, index, axis)
+    if end is None and windowed is not None:
+        moved, new_head = _windowed_insert(b, idx, axis, val, *windowed)
+        return _moved(
+            moved._replace(error=error), moved.storage, error, moved.token, new_head
+        )
     if end is None:  # the line shifts (rotated by a ring's head)
         ring_idx = idx if head is None else idx + [head]
         storage, tok = P.bind_insert(b.storage, b.token, val, ring_idx, axis)
@@ -809,6 +917,12 @@ def pop_at(
     shape = b.storage.shape
     cap, head = shape[axis], _ring_head(b.ring)
     end = None if b.ring is None else _static_end(index, axis, cap)
+    windowed = _window_shift_side(b, index, axis)
+    if end is None and windowed is not None:
+        moved, removed, new_head = _windowed_pop(b, idx, axis, fill, *windowed)
+        if not read:
+            removed = jnp.zeros(shape[axis + 1 :], b.storage.dtype)
+        return _moved(moved, moved.storage, error, moved.token, new_head), removed
     if end is None:
         ring_idx = idx if head is None else idx + [head]
         storage, removed, tok = P.bind_pop(
