@@ -330,19 +330,24 @@ def _read_impl(
         w = lax.dynamic_slice(s, st, sizes)
         return s, _put(out, j, w)
 
-    # The loop's output starts as zeros made from the storage's first element, not
-    # a constant: XLA merges equal constants, and two loops of one step (a read
-    # and its tangent, under `jvp(vmap)`) that start from one broadcast each get
-    # a copy of it, the size of the lines read, every step.
-    zero = jnp.zeros((), storage.dtype)
-    if storage.size > 0:
-        first = storage.reshape(-1)[:1].reshape(())
-        zero = jnp.where(opaque_zero(first) == 0, zero, first)
-    out = jnp.broadcast_to(zero, (size,) + tuple(sizes))
+    out = _loop_zeros(storage, (size,) + tuple(sizes))
     storage, out = _loop(tok, size, body, (storage, out))
     tok = _read_token(tok, out)
     out = from_carrier(out.reshape(bshape + tuple(sizes)), dtype)
     return from_carrier(storage, dtype), out, tok
+
+
+def _loop_zeros(storage, shape) -> jax.Array:
+    """Zeros of `shape` for a read loop's output to start from, made from the
+    storage's first element, not a constant: XLA merges equal constants, and two
+    loops of one step (a read and its tangent, under `jvp(vmap)`) that start from
+    one broadcast each get a copy of it, the size of the windows read, every
+    step."""
+    zero = jnp.zeros((), storage.dtype)
+    if storage.size > 0:
+        first = storage.reshape(-1)[:1].reshape(())
+        zero = jnp.where(opaque_zero(first) == 0, zero, first)
+    return jnp.broadcast_to(zero, shape)
 
 
 def _batch_aval(storage, shape, dtype, nbatch: int) -> ShapedArray:
@@ -516,7 +521,7 @@ def _ring_read_impl(storage, tok, starts, sizes: Sequence[int], ring: int):
             s, out = state
             return s, _put(out, j, _ring_gather(s, _element(starts, j), sizes, ring))
 
-        out = jnp.zeros((size,) + tuple(sizes), storage.dtype)
+        out = _loop_zeros(storage, (size,) + tuple(sizes))  # not a constant
         storage, out = _loop(tok, size, body, (storage, out))
         tok = _read_token(tok, out)
     out = from_carrier(out.reshape(bshape + tuple(sizes)), dtype)

@@ -456,6 +456,25 @@ def test_an_edit_near_an_end_of_a_ring_moves_a_window_not_the_line():
         assert esb.find_loop_copies(fn, a, xs, min_bytes=a.nbytes // 2) == []
 
 
+def test_a_window_moved_by_a_batch_of_rings_is_not_copied_under_jvp():
+    # Batched, a ring's window is read in a loop, whose output started as a
+    # constant broadcast; under `jvp(vmap)` the read and its tangent read started
+    # from the one constant, and XLA copied it, the size of the window, every step.
+    def loss(s, a, xs):
+        def step(b, v):
+            return b.insert(128, jnp.full((32,), v * s)), v
+
+        b, ys = lax.scan(step, esb.ShiftBuffer(a, axis=0), xs)
+        return (b.array**2).sum() + ys.sum()
+
+    a = jnp.ones((256, 32), jnp.float32)
+    xs = jnp.stack([jnp.linspace(0.1, 1, 12), jnp.linspace(1, 2, 12)])
+    vl = jax.vmap(loss, in_axes=(None, None, 0))
+    fn = lambda s, a, xs: jax.jvp(lambda s, a: vl(s, a, xs), (s, a), (s, a))
+    copies = esb.find_loop_copies(fn, jnp.float32(0.5), a, xs, min_bytes=4096)
+    assert copies == [], "\n".join(map(str, copies))
+
+
 def test_static_taps_of_a_ring_match_finite_differences():
     a, v, c = _delay_args((8, 3))
     loss = _delay_loss(_delay_step(TAPS, True), lambda a: esb.ShiftBuffer(a, 0))
