@@ -757,14 +757,16 @@ def _windowed_pop(b: Leaves, idx: list, axis: int, fill, p: int, side: str):
     if side == "back":  # [p + 1, K) moves to [p, K - 1); `fill` at the end
         b, w = _line_window(b, idx, axis, p, cap - p, h)
         row = jnp.full((1,) * (axis + 1) + w.shape[axis + 1 :], fill, dtype)
-        removed = lax.index_in_dim(w, 0, axis, keepdims=False)
+        removed = lax.index_in_dim(w, 0, axis, keepdims=False).reshape(
+            w.shape[axis + 1 :]
+        )
         new = _joined([lax.slice_in_dim(w, 1, cap - p, axis=axis), row], axis)
         return _write_line_window(b, idx, axis, p, new, h), removed, None
     # [0, p) moves one towards the back, over the element removed; the head moves
     # on, and `fill` goes where the first element was, now the end.
     b, w = _line_window(b, idx, axis, 0, p + 1, h)
     row = jnp.full((1,) * (axis + 1) + w.shape[axis + 1 :], fill, dtype)
-    removed = lax.index_in_dim(w, p, axis, keepdims=False)
+    removed = lax.index_in_dim(w, p, axis, keepdims=False).reshape(w.shape[axis + 1 :])
     new = _joined([row, lax.slice_in_dim(w, 0, p, axis=axis)], axis)
     b = _write_line_window(b, idx, axis, 0, new, h)
     return b, removed, _wrap(h + 1, cap)

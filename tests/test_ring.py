@@ -21,8 +21,9 @@ from . import reference as ref
 
 
 # (shape, axis) of buffers with one line: a flat line, a stack of feature vectors,
-# one row, one row of vectors.
-RINGS = [((7,), 0), ((6, 3), 0), ((1, 6), 1), ((1, 5, 2), 1)]
+# one row, one row of vectors; and a line long enough that an edit near an end
+# moves a window (`_window_shift_side`).
+RINGS = [((7,), 0), ((6, 3), 0), ((1, 6), 1), ((1, 5, 2), 1), ((1, 30), 1)]
 
 
 def _ends(shape, axis):
@@ -104,8 +105,26 @@ def test_edits_at_the_ends_and_anywhere_match_numpy(shape, axis, data):
         buf, out = _apply(buf, op)
         a, want = _apply_ref(a, op, axis)
         if want is not None:
+            assert np.shape(out) == np.shape(want)
             np.testing.assert_array_equal(np.asarray(out), want)
         np.testing.assert_array_equal(np.asarray(buf.array), a)
+
+
+@pytest.mark.parametrize(
+    "shape, axis", [((64,), 0), ((16, 3), 0), ((1, 64), 1), ((1, 32, 2), 1)]
+)
+@pytest.mark.parametrize("near", ["front", "back"])
+def test_a_pop_between_the_ends_of_a_ring_returns_one_element(shape, axis, near):
+    # Moved as a window (`_window_shift_side`), the popped element was returned
+    # with the window's leading dimensions: shape (1,) for a (1, n) line.
+    a = np.arange(np.prod(shape), dtype=np.float32).reshape(shape)
+    p = 1 if near == "front" else shape[axis] - 2
+    index = (0,) * axis + (p,)
+    b, got = jax.jit(lambda b: b.pop(index))(esb.ShiftBuffer(jnp.asarray(a), axis=axis))
+    want_a, want = ref.pop(a, index, axis)
+    assert got.shape == want.shape == shape[axis + 1 :]
+    np.testing.assert_array_equal(got, want)
+    np.testing.assert_array_equal(b.array, want_a)
 
 
 def test_a_buffer_of_several_lines_is_not_a_ring():
