@@ -61,8 +61,11 @@ class ShiftBuffer(eqx.Module):
     `pop`) costs O(line), except at either end of a ring: `insert(0, x)`,
     `pop(0)`, `delete(0)`, and the same at `capacity - 1`, with that position a
     Python or NumPy int, move the head and one element, O(element), so a delay
-    line or a stack costs the same per step whatever its capacity. With a traced
-    index, or in the middle, the line shifts, rotated. (Reading the whole ring,
+    line or a stack costs the same per step whatever its capacity. At another
+    Python-int position `p`, the elements between `p` and the nearer end move,
+    O(min(p, capacity - p)), where that is cheaper than the whole line (up to
+    about a sixth of a 1-D line, half a line of frames). With a traced index, or
+    farther in, the line shifts, rotated. (Reading the whole ring,
     `.array` or `read()`, rotates it: O(line), as the read itself.)
 
     **Choosing an edit at run time.** Do not choose between edits of the buffer

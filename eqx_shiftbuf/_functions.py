@@ -254,9 +254,11 @@ def insert(
     position along `axis` a Python or NumPy int: the buffer is stored as a ring,
     and `insert(0, frame)`, `pop(0)`, `delete(0)` and the same at `K - 1` move
     one element, O(element) whatever `K` (0 copies in every mode; `tests/natural.py`,
-    rows `delay_taps`, `front_stack`, `queue`). A traced index there, or an edit
-    in the middle, shifts the line, rotated. A plain array has no ring: every
-    shift is O(line).
+    rows `delay_taps`, `front_stack`, `queue`); at another Python-int position,
+    only the elements between it and the nearer end move, where that is cheaper
+    than the whole line (up to about a sixth of a 1-D line, half a line of
+    frames). A traced index there, or an edit farther in, shifts the line,
+    rotated. A plain array has no ring: every shift is O(line).
 
     **Arguments:**
 

@@ -16,11 +16,10 @@ along the shift axis (traced from the scan's inputs, or Python / NumPy ints) and
     python benchmarks/experiments/copy_sweep.py --shapes last3 --bodies ins_del --detail
 
 All shapes with traced int32 take about 5 minutes on the project's 2-core CPU.
-Last run (2026-12-05, at the commit that added this script): 0 copies on every
-row of the default sweep (13 shapes x 12 bodies x 7 modes), of `--styles
-pyint,npint,traced64` on six shapes (11 bodies), and of `--kind esb` on seven shapes
-(9 bodies, 5 modes), but two: `flat` with a Python- or NumPy-int window read
-(`ds`, `ds_ins`) under `vmap(grad)`/`grad(vmap)` (1 copy; README, known limits).
+Last run (2026-12-05, jax 0.10.2): 0 copies on every row of the default sweep (13
+shapes x 12 bodies x 7 modes); of `--styles traced32,pyint,npint,pyneg` on the
+rings (`flat,ring,line,col,lead`); of `--kind esb` (`flat,ring,line,lead`,
+`pyint,traced32`) and of `--kind fori` (`flat,ring,line`, `pyint,traced32`).
 """
 
 import argparse
