@@ -507,12 +507,13 @@ def _ring_read_impl(storage, tok, starts, sizes: Sequence[int], ring: int):
     round the end of the storage, each a gather (`_ring_gather`). Unbatched, the
     gather is materialised by a reduction (`pick_by_max`, as `window_by_reduce`)
     and the token taken from it, so that the next write waits for the read and the
-    read's consumers read the reduction's result; batched, in a loop (a wall XLA
-    does not reorder across)."""
+    read's consumers read the reduction's result; batched or complex, in a loop
+    (a wall XLA does not reorder across)."""
     bshape, size = _batch_size(starts)
     dtype = storage.dtype
     storage = to_carrier(storage)  # moved as bits: see `carrier`
-    if size == 1:
+    # (A complex window has no bits to reduce over, `pick_by_max`: in a loop.)
+    if size == 1 and not jnp.issubdtype(dtype, jnp.complexfloating):
         out, bits = _ring_reduced(storage, _element(starts, 0), sizes, ring)
         tok = _read_token(tok, bits)
     else:

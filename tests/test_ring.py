@@ -135,6 +135,26 @@ def test_edits_between_the_ends_of_a_ring_match_numpy(shape, axis, near):
     np.testing.assert_array_equal(b.array, want_a)
 
 
+def test_windows_of_a_complex_ring_match_numpy():
+    # A complex window has no bit pattern to reduce over: read in a loop.
+    a = (np.arange(16).reshape(8, 2) * (1 + 2j)).astype(np.complex64)
+
+    def edits(b, i):
+        b = b.insert(0, b.array[1])  # the head moves: the windows wrap
+        b, w = b.read((i, 0), (3, 2))
+        b = b.dynamic_update_slice(w[::-1], (i, 0))
+        b, r = b.insert(2, w[0]).pop(6)
+        return b.array, w, r
+
+    got = jax.jit(edits)(esb.ShiftBuffer(jnp.asarray(a), axis=0), jnp.int32(5))
+    want = ref.insert(a, (0,), a[1], 0)
+    w = want[5:8].copy()
+    want = ref.insert(ref.dynamic_update_slice(want, w[::-1], (5, 0)), (2,), w[0], 0)
+    want, r = ref.pop(want, (6,), 0)
+    for g, e in zip(got, (want, w, r), strict=True):
+        np.testing.assert_array_equal(g, e)
+
+
 def test_a_buffer_of_several_lines_is_not_a_ring():
     buf = esb.ShiftBuffer(jnp.zeros((2, 5)), axis=1).insert((0, 0), 1.0)
     # Its head is the NumPy zero it was made with: no edit moved it.
