@@ -705,20 +705,23 @@ def _window_shift_side(b: Leaves, index: Any, axis: int) -> tuple[int, str] | No
 _ROW_COST = 5
 
 
+def _line_starts(idx: list, axis: int, at: int, ndim: int) -> list:
+    """The starts of a window of the ring's line from logical position `at`."""
+    return list(idx[:axis]) + [jnp.int32(at)] + [jnp.int32(0)] * (ndim - axis - 1)
+
+
 def _line_window(b: Leaves, idx: list, axis: int, at: int, n: int, head):
     """`(leaves, window)`: the `n` elements of the ring's line from logical `at`."""
     shape = b.storage.shape
-    starts = (
-        list(idx[:axis]) + [jnp.int32(at)] + [jnp.int32(0)] * (len(shape) - axis - 1)
-    )
     sizes = (1,) * axis + (n,) + tuple(shape[axis + 1 :])
+    starts = _line_starts(idx, axis, at, len(shape))
     storage, window, tok = _ring_read(b, starts, sizes, head, at)
     return b._replace(storage=storage, token=tok), window
 
 
 def _write_line_window(b: Leaves, idx: list, axis: int, at: int, new, head) -> Leaves:
     """The leaves after writing `new` into the ring's line from logical `at`."""
-    starts = list(idx[:axis]) + [jnp.int32(at)] + [jnp.int32(0)] * (new.ndim - axis - 1)
+    starts = _line_starts(idx, axis, at, new.ndim)
     storage, tok = _ring_update(b, new, starts, head)
     return b._replace(storage=storage, token=tok)
 
@@ -730,12 +733,10 @@ def _joined(parts: list, axis: int):
     return from_carrier(jnp.concatenate([to_carrier(x) for x in parts], axis), dtype)
 
 
-def _windowed_insert(b: Leaves, idx: list, axis: int, val, p: int, side: str):
-    """`insert_at` at the static position `p` of a ring (`_window_shift_side`)."""
-    assert b.ring is not None
+def _windowed_insert(b: Leaves, idx: list, axis: int, val, h, p: int, side: str):
+    """`(leaves, new head or None)`: `insert_at` at the static position `p` of a
+    ring whose head is `h` (`_window_shift_side`)."""
     cap = b.storage.shape[axis]
-    head = _ring_head(b.ring)
-    h = jnp.int32(0) if head is None else head
     row = val.reshape((1,) * (axis + 1) + val.shape)
     if side == "back":  # [p, K - 1) moves to [p + 1, K)
         b, w = _line_window(b, idx, axis, p, cap - 1 - p, h)
@@ -747,29 +748,25 @@ def _windowed_insert(b: Leaves, idx: list, axis: int, val, p: int, side: str):
     return b, new_head
 
 
-def _windowed_pop(b: Leaves, idx: list, axis: int, fill, p: int, side: str):
+def _windowed_pop(b: Leaves, idx: list, axis: int, fill, h, p: int, side: str):
     """`(leaves, removed, new head or None)`: `pop_at` at the static position `p`
-    of a ring (`_window_shift_side`)."""
-    assert b.ring is not None
-    cap, dtype = b.storage.shape[axis], b.storage.dtype
-    head = _ring_head(b.ring)
-    h = jnp.int32(0) if head is None else head
+    of a ring whose head is `h` (`_window_shift_side`)."""
+    cap = b.storage.shape[axis]
     if side == "back":  # [p + 1, K) moves to [p, K - 1); `fill` at the end
-        b, w = _line_window(b, idx, axis, p, cap - p, h)
-        row = jnp.full((1,) * (axis + 1) + w.shape[axis + 1 :], fill, dtype)
-        removed = lax.index_in_dim(w, 0, axis, keepdims=False).reshape(
-            w.shape[axis + 1 :]
-        )
-        new = _joined([lax.slice_in_dim(w, 1, cap - p, axis=axis), row], axis)
-        return _write_line_window(b, idx, axis, p, new, h), removed, None
-    # [0, p) moves one towards the back, over the element removed; the head moves
-    # on, and `fill` goes where the first element was, now the end.
-    b, w = _line_window(b, idx, axis, 0, p + 1, h)
-    row = jnp.full((1,) * (axis + 1) + w.shape[axis + 1 :], fill, dtype)
-    removed = lax.index_in_dim(w, p, axis, keepdims=False).reshape(w.shape[axis + 1 :])
-    new = _joined([row, lax.slice_in_dim(w, 0, p, axis=axis)], axis)
-    b = _write_line_window(b, idx, axis, 0, new, h)
-    return b, removed, _wrap(h + 1, cap)
+        at, n, k, new_head = p, cap - p, 0, None
+    else:  # [0, p) moves one towards the back, over the element removed; the head
+        # moves on, and `fill` goes where the first element was, now the end
+        at, n, k, new_head = 0, p + 1, p, _wrap(h + 1, cap)
+    b, w = _line_window(b, idx, axis, at, n, h)
+    elem = w.shape[axis + 1 :]
+    removed = lax.index_in_dim(w, k, axis, keepdims=False).reshape(elem)
+    row = jnp.full((1,) * (axis + 1) + elem, fill, w.dtype)
+    rest = [
+        lax.slice_in_dim(w, 0, k, axis=axis),
+        lax.slice_in_dim(w, k + 1, n, axis=axis),
+    ]
+    new = _joined(rest + [row] if side == "back" else [row] + rest, axis)
+    return _write_line_window(b, idx, axis, at, new, h), removed, new_head
 
 
 def _element_window(b: Leaves, idx: list, col: jax.Array):
@@ -874,13 +871,12 @@ def insert_at(b: Leaves, index: Any, value: Any, axis: int, mode: str | None) ->
     vshape = shape[axis + 1 :]
     val = check_value(value, vshape, b.storage.dtype, "value", f"x.shape[{axis}+1:]")
     cap, head = shape[axis], _ring_head(b.ring)
+    h = jnp.int32(0) if head is None else head
     end = None if b.ring is None else _static_end(index, axis, cap)
-    windowed = _window_shift_side(b, index, axis)
-    if end is None and windowed is not None:
-        moved, new_head = _windowed_insert(b, idx, axis, val, *windowed)
-        return _moved(
-            moved._replace(error=error), moved.storage, error, moved.token, new_head
-        )
+    windowed = _window_shift_side(b, index, axis)  # None at an end
+    if windowed is not None:
+        moved, new_head = _windowed_insert(b, idx, axis, val, h, *windowed)
+        return _moved(moved, moved.storage, error, moved.token, new_head)
     if end is None:  # the line shifts (rotated by a ring's head)
         ring_idx = idx if head is None else idx + [head]
         storage, tok = P.bind_insert(b.storage, b.token, val, ring_idx, axis)
@@ -888,7 +884,6 @@ def insert_at(b: Leaves, index: Any, value: Any, axis: int, mode: str | None) ->
     # A ring: a push at the front moves the head back one and writes the value
     # there, over the element that falls off the end; one at the back overwrites
     # the last element.
-    h = jnp.int32(0) if head is None else head
     new_head = _wrap(h + (cap - 1), cap)
     starts, sizes = _element_window(b, idx, new_head)
     upd = val.reshape(sizes)
@@ -918,10 +913,11 @@ def pop_at(
     )
     shape = b.storage.shape
     cap, head = shape[axis], _ring_head(b.ring)
+    h = jnp.int32(0) if head is None else head
     end = None if b.ring is None else _static_end(index, axis, cap)
-    windowed = _window_shift_side(b, index, axis)
-    if end is None and windowed is not None:
-        moved, removed, new_head = _windowed_pop(b, idx, axis, fill, *windowed)
+    windowed = _window_shift_side(b, index, axis)  # None at an end
+    if windowed is not None:
+        moved, removed, new_head = _windowed_pop(b, idx, axis, fill, h, *windowed)
         if not read:
             removed = jnp.zeros(shape[axis + 1 :], b.storage.dtype)
         return _moved(moved, moved.storage, error, moved.token, new_head), removed
@@ -934,7 +930,6 @@ def pop_at(
     # A ring: a pop at the front takes the element at the head, writes `fill`
     # there (now the logical end) and moves the head on; one at the back takes
     # the last element and writes `fill` in its place.
-    h = jnp.int32(0) if head is None else head
     col = h if end == "front" else _wrap(h + (cap - 1), cap)
     starts, sizes = _element_window(b, idx, col)
     fills = jnp.full(sizes, fill, b.storage.dtype)

@@ -1191,7 +1191,8 @@ def bind_swap(storage, tok, update, starts, read=True, nbatch=0, ring=None):
         # then read the buffer from before the shift, unordered with respect to
         # the shift's in-place write: a copy a step (a pop at the back of a ring
         # then an insert beside it, under `grad`: the transposed insert, a shift
-        # of the cotangent, then the transposed pop, a swap that reads).
+        # of the cotangent, then the transposed pop, a swap that reads). Read off
+        # each bind's own storage: the rules take `ordered` and do not pass it on.
         extra["ordered"] = True
     return swap_p.bind(storage, tok, update, *starts, read=read, nbatch=nbatch, **extra)
 

@@ -511,6 +511,9 @@ def window_by_reduce(s, st, sizes, d: int):
 # never computes a wrong one), which `esb.find_loop_copies` shows.
 _DEFERRED_READ = "esb.deferred_read"
 _READ_TOKEN = "esb.read_token"
+# A deferred gather's mark (`deferred_read`): its ring axis and window sizes.
+_RING = "esb.deferred_ring"
+_SIZES = "esb.deferred_sizes"
 
 
 def deferred_read(
@@ -550,10 +553,6 @@ def deferred_read(
     hook = hlo.ReshapeOp(tok.type, tok)
     hook.operation.attributes[_READ_TOKEN] = ir.UnitAttr.get()
     return window.result, hook.result
-
-
-_RING = "esb.deferred_ring"
-_SIZES = "esb.deferred_sizes"
 
 
 def _barrier_above(v: ir.Value) -> ir.Operation:
@@ -642,7 +641,7 @@ _UNMOVABLE = frozenset(
         "stablehlo.create_token",
     }
 )
-_MARKS = (_EDIT_OF, _EDIT_TOKEN, "esb.deferred_read", "esb.read_token")
+_MARKS = (_EDIT_OF, _EDIT_TOKEN, _DEFERRED_READ, _READ_TOKEN)
 
 
 def _pure(op: ir.Operation, module) -> bool:
