@@ -3,7 +3,8 @@
 `esb.scan` decides per buffer whether to record its reads instead of storing it
 (`eqx_shiftbuf/_tape.py`): a test of the recorded path asserts it was taken
 (`taped_leaves`), since a small buffer, or a large record, is stored.
-`loop_buffer_work` finds the buffer-sized work in compiled loops.
+`loop_bodies` lists the instructions of compiled loop bodies, and
+`loop_buffer_work` the buffer-sized work among them.
 """
 
 from __future__ import annotations
@@ -28,16 +29,20 @@ def taped_leaves(fn, *args) -> list[int]:
     return [k for k, r in enumerate(eqns[0].params["roles"]) if r == TAPED]
 
 
+def loop_bodies(fn, *args) -> dict[str, list[str]]:
+    """The instructions of each `while` body of `fn`'s compiled program, by name."""
+    comps = _inspect._parse(jax.jit(fn).lower(*args).compile().as_text())
+    names = {b for t in comps.values() for b in _inspect._BODY.findall(" ".join(t))}
+    return {b: comps[b] for b in names}
+
+
 def loop_buffer_work(fn, args, shape: str) -> list[str]:
     """The instructions of the compiled loop bodies of `fn` that make an array of
     HLO shape `shape` (`"f32[64,8]"`) other than by updating one in place: copies,
     and fusions whose root is not a `dynamic-update-slice` (a full-size add, say)."""
-    hlo = jax.jit(fn).lower(*args).compile().as_text()
-    comps = _inspect._parse(hlo)
-    bodies = {b for t in comps.values() for b in _inspect._BODY.findall(" ".join(t))}
     found = []
-    for body in bodies:
-        for line in comps[body]:
+    for body in loop_bodies(fn, *args).values():
+        for line in body:
             m = re.match(r"\s*(?:ROOT )?%(\S+) = (\S+?)(?:\{[^}]*\})? ([\w-]+)\(", line)
             if m is None or m.group(2) != shape:
                 continue

@@ -21,6 +21,7 @@ import eqx_shiftbuf as esb
 from eqx_shiftbuf import _inspect
 
 from . import corpus
+from .tape import loop_bodies
 
 
 # On one xdist worker (`--dist loadgroup`): the tests share compiled programs
@@ -139,14 +140,10 @@ def test_reads_need_no_inner_loop(name, mode):
     # for a read right after a write.
     # The program test_no_per_iteration_copies[...-x64] compiles (the suite runs
     # with jax_enable_x64).
-    hlo = _jitted(name, mode).lower(*_inputs()).compile().as_text()
-    comps = _inspect._parse(hlo)
-    bodies = {
-        b for text in comps.values() for b in _inspect._BODY.findall(" ".join(text))
-    }
+    bodies = loop_bodies(_jitted(name, mode), *_inputs())
     assert bodies
-    for body in bodies:
-        nested = [line for line in comps[body] if " while(" in line]
+    for body, lines in bodies.items():
+        nested = [line for line in lines if " while(" in line]
         assert nested == [], f"{body}: {nested}"
 
 

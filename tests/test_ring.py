@@ -15,9 +15,9 @@ from jax import lax
 from jax.test_util import check_grads
 
 import eqx_shiftbuf as esb
-from eqx_shiftbuf import _inspect
 
 from . import reference as ref
+from .tape import loop_bodies
 
 
 # (shape, axis) of buffers with one line: a flat line, a stack of feature vectors,
@@ -470,7 +470,7 @@ def test_an_edit_near_an_end_of_a_ring_moves_a_window_not_the_line():
 
     a, xs = jnp.ones((1024, 32), jnp.float32), jnp.linspace(0.1, 1.0, 12)
     for fn in (loss, jax.grad(loss)):
-        for body in _loop_bodies(fn, a, xs):
+        for body in loop_bodies(fn, a, xs).values():
             assert not [line for line in body if "reduce-window" in line]
         assert esb.find_loop_copies(fn, a, xs, min_bytes=a.nbytes // 2) == []
 
@@ -585,13 +585,6 @@ def test_a_window_written_into_a_ring_is_in_place_under_grad(shape, window, star
     assert copies == [], "\n".join(map(str, copies))
 
 
-def _loop_bodies(fn, *args) -> list[list[str]]:
-    """The instructions of each `while` body of `fn`'s compiled program."""
-    comps = _inspect._parse(jax.jit(fn).lower(*args).compile().as_text())
-    names = {b for t in comps.values() for b in _inspect._BODY.findall(" ".join(t))}
-    return [comps[b] for b in names]
-
-
 def test_a_window_written_into_a_ring_is_one_write():
     # A window of several rows of a ring may wrap round the end of the storage.
     # Written as read-modify-writes of the two windows at either end that hold it,
@@ -609,7 +602,7 @@ def test_a_window_written_into_a_ring_is_one_write():
     t = jnp.arange(12, dtype=jnp.int32)
     xs = ((t * 37) % 1021, jnp.linspace(0.1, 1.0, 12))
     a = jnp.ones((1024, 32), jnp.float32)
-    (body,) = _loop_bodies(loss, a, xs)
+    (body,) = loop_bodies(loss, a, xs).values()
     ops = ("fusion(", "scatter(", "dynamic-update-slice(", "copy(")
     writes = [
         line
@@ -680,12 +673,8 @@ def test_a_window_of_rows_of_a_ring_is_read_without_a_loop():
     t = jnp.arange(12, dtype=jnp.int32)
     xs = ((t * 37) % 1021, (t * 91) % 1021, jnp.linspace(0.1, 1.0, 12))
     a = jnp.ones((1024, 32), jnp.float32)
-    hlo = jax.jit(loss).lower(a, xs).compile().as_text()
-    comps = _inspect._parse(hlo)
-    bodies = {
-        b for text in comps.values() for b in _inspect._BODY.findall(" ".join(text))
-    }
+    bodies = loop_bodies(loss, a, xs)
     assert len(bodies) == 1
-    nested = [line for b in bodies for line in comps[b] if " while(" in line]
+    nested = [line for b in bodies.values() for line in b if " while(" in line]
     assert nested == []
     assert esb.find_loop_copies(loss, a, xs, min_bytes=a.nbytes // 2) == []
