@@ -20,3 +20,13 @@ hypothesis.settings.register_profile(
 )
 hypothesis.settings.register_profile("ci", deadline=None, print_blob=True)
 hypothesis.settings.load_profile("ci" if os.environ.get("CI") else "default")
+
+
+def pytest_collection_modifyitems(config, items):
+    """Run the `heavy` tests first.
+
+    xdist hands the tests out in collection order (after the `xdist_group`s, which
+    go first, the largest first): a 20-second test collected last leaves the other
+    worker idle while it runs alone. Every worker collects, and sorts, the same."""
+    del config
+    items.sort(key=lambda item: item.get_closest_marker("heavy") is None)

@@ -205,6 +205,7 @@ def test_program_groups_cover_every_program():
     assert sorted(names) == sorted(PROGRAMS)
 
 
+@pytest.mark.heavy
 @needs_mkdocs
 @pytest.mark.parametrize("names", PROGRAM_GROUPS, ids="+".join)
 def test_program_runs(names, tmp_path):

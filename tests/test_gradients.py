@@ -260,6 +260,7 @@ def _random_indices(rng, n_edits):
 )
 # Two reads that drop their buffer: JAX sums three cotangents of it, and folding
 # the sum of two reads' accumulations as if it were one gave a wrong gradient.
+@pytest.mark.heavy
 @example(kinds=("insert", "slice", "slice"), seed=0)
 def test_scan_of_random_edits_grad_matches_plain_autodiff(kinds, seed):
     lib, plain = _compiled(kinds)
@@ -289,6 +290,7 @@ def _checkpointed(f, init, xs):
     return esb.scan(f, init, xs, checkpoints=STEPS // 2)
 
 
+@pytest.mark.heavy
 @settings(max_examples=4)
 @given(
     kinds=st.lists(st.sampled_from(KINDS), min_size=1, max_size=3).map(tuple),
@@ -318,6 +320,7 @@ def test_scan_of_edits_jvp_matches_plain_autodiff(kinds):
     np.testing.assert_allclose(a, b, rtol=1e-10)
 
 
+@pytest.mark.heavy
 def test_scan_grad_matches_finite_differences():
     kinds = ("insert", "slice", "pop")
     rng = np.random.default_rng(1)

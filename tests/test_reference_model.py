@@ -132,6 +132,7 @@ def test_single_op_matches_numpy(kind, data):
     _check_one(data, (kind,))
 
 
+@pytest.mark.heavy
 @settings(max_examples=EXAMPLES)
 @given(data=st.data())
 def test_random_op_sequence_matches_numpy(data):

@@ -494,6 +494,7 @@ def test_a_window_moved_by_a_batch_of_rings_is_not_copied_under_jvp():
     assert copies == [], "\n".join(map(str, copies))
 
 
+@pytest.mark.heavy
 def test_static_taps_of_a_ring_match_finite_differences():
     a, v, c = _delay_args((8, 3))
     loss = _delay_loss(_delay_step(TAPS, True), lambda a: esb.ShiftBuffer(a, 0))

@@ -476,6 +476,7 @@ def test_a_buffer_carry_only_edited_is_replayed_exactly(name):
     _close(grad(SCANS[name]), grad(_reference(name)))
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("order", ["fwd-over-rev", "rev-over-fwd"])
 def test_a_buffer_carry_only_edited_has_exact_second_derivatives(order):
     # Forward over reverse reruns steps with the tape's tangents (and a stand-in

@@ -189,6 +189,7 @@ SCRIPT = textwrap.dedent(
 
 # In three processes, so that two workers share them: the checks on each mesh, and
 # the others (on the explicit mesh).
+@pytest.mark.heavy
 @pytest.mark.parametrize("part", ["explicit", "auto", "other"])
 def test_sharded_batches_run_exactly_in_place_without_collectives(part):
     env = dict(os.environ, ESB_ROOT=str(ROOT), JAX_PLATFORMS="cpu")
