@@ -557,7 +557,11 @@ def _swap_impl(storage, tok, update, *starts, read, nbatch=0, ring=None, ordered
         u = _take(update, j)
         if ring is not None:
             return _ring_scatter(s, _element(starts, j), u, ring)
-        if size == 1:
+        # A bfloat16 or float8 storage is written as bits: XLA writes it in place
+        # through the conversion only when nothing else in the write's fusion
+        # reads the storage, which the widened window's neighbour does (a copy of
+        # the buffer per step; `tests/test_in_place.py`). Written as the window.
+        if size == 1 and dtype == storage.dtype:
             return widened_write(s, _element(starts, j), u.shape, lambda old: u)
         return lax.dynamic_update_slice(s, u, _element(starts, j))
 

@@ -392,3 +392,49 @@ def test_a_whole_window_cotangent_from_scalars_is_added_without_a_loop():
     # updates into which XLA fuses it (`_xla.added_in_halves`), not in a loop whose
     # operand XLA writes out first.
     assert _whiles_in_gradient(read_whole=True) == _whiles_in_gradient(read_whole=False)
+
+
+# ---------------------------------------------------------------------------
+# bfloat16 and float8 buffers are edited as bits (`_xla.carrier`): XLA:CPU computes
+# those dtypes in float32, flushing subnormals and quieting NaNs. XLA writes a
+# window in place through the conversion to bits only when nothing else in the
+# write's fusion reads the storage: a window widened to a neighbouring line
+# (`_xla.widened_write`, which reads the neighbour back) copied the buffer every
+# step.
+
+NARROW = [jnp.bfloat16, jnp.float8_e5m2]
+
+
+def _narrow_write_loss(dtype, lib: bool):
+    def loss(s, a, xs):
+        def step(b, x):
+            i, v = x
+            w = jnp.full((1, 16), v * s, dtype)
+            if lib:
+                return b.dynamic_update_slice(w, (i % 3, i)), v
+            return lax.dynamic_update_slice(b, w, (i % 3, i)), v
+
+        b0 = esb.ShiftBuffer(a, axis=1) if lib else a
+        b, ys = lax.scan(step, b0, xs)
+        return ((b.array if lib else b).astype(jnp.float32) ** 2).sum() + ys.sum()
+
+    xs = (jnp.arange(STEPS, dtype=jnp.int32) * 37 % 1900, jnp.linspace(0.1, 1.0, STEPS))
+    args = (jnp.float32(0.5), jnp.ones((3, 2000), dtype), xs)
+    return loss, args
+
+
+@pytest.mark.parametrize("dtype", NARROW, ids=lambda d: jnp.dtype(d).name)
+@pytest.mark.parametrize("mode", ["forward", "grad"])
+def test_a_window_written_into_a_narrow_float_buffer_is_in_place(dtype, mode):
+    loss, args = _narrow_write_loss(dtype, lib=True)
+    fn = loss if mode == "forward" else jax.grad(loss, argnums=(0, 1))
+    assert esb.find_loop_copies(fn, *args, min_bytes=args[1].nbytes // 2) == []
+
+
+@pytest.mark.parametrize("dtype", NARROW, ids=lambda d: jnp.dtype(d).name)
+def test_a_window_written_into_a_narrow_float_buffer_has_plain_lax_values(dtype):
+    lib, args = _narrow_write_loss(dtype, lib=True)
+    plain, _ = _narrow_write_loss(dtype, lib=False)
+    both = [jax.jit(jax.value_and_grad(f, argnums=(0, 1)))(*args) for f in (lib, plain)]
+    for x, y in zip(*[jax.tree.leaves(b) for b in both], strict=True):
+        assert np.asarray(x).tobytes() == np.asarray(y).tobytes()
