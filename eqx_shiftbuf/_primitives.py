@@ -400,7 +400,15 @@ def _accum_impl(
         return _loop(tok, 1, lambda j, s: s + w, storage), tok_in
     olds = None
     sizes = tuple(window.shape[1:])
-    if ordered and (size != 1 or _pair_dim(sizes, storage.shape) is None):
+    # A bfloat16 or float8 storage: its old windows are read first, and the sums
+    # written as bits (`carrier`). XLA:CPU computes the sum in float32 whatever,
+    # and writes in place through a conversion (to float32 or to bits) only when
+    # nothing else in the write's fusion reads the storage: read and written in
+    # one fusion, a batched accumulation (the transpose of a read under `vmap`)
+    # copied the buffer every step.
+    dtype = storage.dtype
+    narrow = carrier(dtype) != dtype
+    if narrow or (ordered and (size != 1 or _pair_dim(sizes, storage.shape) is None)):
         # As in `_shift`: read the old windows first (`_read_impl`: in a loop if
         # batched). Unbatched, only where the write cannot be widened
         # (`widened_write` widens along `_pair_dim`): a window as wide as every
@@ -418,9 +426,11 @@ def _accum_impl(
         if size == 1 and olds is None:  # no loop read first: see `widened_write`
             return widened_write(s, st, w.shape, lambda old: old + w)
         old = lax.dynamic_slice(s, st, w.shape) if olds is None else _take(olds, j)
-        return lax.dynamic_update_slice(s, old + w, st)
+        new = (old + w).astype(dtype)
+        return lax.dynamic_update_slice(s, to_carrier(new) if narrow else new, st)
 
-    return _write(tok, size, body, storage, starts, at), tok_in
+    storage = to_carrier(storage) if narrow else storage
+    return from_carrier(_write(tok, size, body, storage, starts, at), dtype), tok_in
 
 
 def _accum_abstract(storage, tok, window, *starts, ordered, nbatch, ring=None):
@@ -657,7 +667,7 @@ def _windowed(storage, size: int, axis: int) -> bool:
     return size == 1 and wide >= 1 and math.prod(storage.shape[:axis]) > 2**wide
 
 
-def _shift(storage, tok, idx, axis, new_line, ordered, want_lines=False):
+def _shift(storage, tok, idx, axis, new_line, ordered, want_lines=False, values=None):
     """Replace each indexed line `l` by `new_line(j, l, col)`; `j` is the batch element.
 
     Returns `(storage, lines)`, with the lines as read when `ordered`, else `None`.
@@ -670,6 +680,8 @@ def _shift(storage, tok, idx, axis, new_line, ordered, want_lines=False):
     the same operations as plain `lax` code; `ordered=True` first reads the lines in their own loop (needed when
     `storage` comes straight from another straight-line write, see the module
     docstring). `want_lines` forces that loop, to return the lines as read.
+    `values`: the dtype whose bits `storage` holds, if it is moved as bits
+    (`carrier`), for `window2_edit`.
     """
     bshape, size = _batch_size(idx)
     if _whole_line(storage, size, axis) and not want_lines:
@@ -685,7 +697,9 @@ def _shift(storage, tok, idx, axis, new_line, ordered, want_lines=False):
     lines = None
     window = _windowed(storage, size, axis)
     if window and not want_lines:
-        body = lambda j, s, idx: window2_edit(s, _element(idx, j), axis, new_line)[0]
+        body = lambda j, s, idx: window2_edit(
+            s, _element(idx, j), axis, new_line, values=values
+        )[0]
         return _write(tok, size, body, storage, idx), None
     if ordered:
         starts = list(idx[:-1]) + [jnp.zeros_like(idx[-1])] * (storage.ndim - axis)
@@ -790,7 +804,8 @@ def _insert_impl(storage, tok, value, *idx, axis, ordered, nbatch=0):
     new_line = lambda j, line, col, ax=None: _shift_right(
         line, col, _take(value, j), heads(j), ax
     )
-    storage = _shift(storage, tok, idx, axis, new_line, ordered)[0]
+    narrow = None if dtype == storage.dtype else dtype
+    storage = _shift(storage, tok, idx, axis, new_line, ordered, values=narrow)[0]
     return from_carrier(storage, dtype), tok
 
 
@@ -834,11 +849,12 @@ def _pop_impl(storage, tok, *idx, axis, fill, read, ordered, nbatch=0):
     # Moved as bits, as an insert (`_insert_impl`); `fill` too.
     dtype, storage = storage.dtype, to_carrier(storage)
     fill = np.asarray(fill, dtype).view(carrier(dtype))[()]
-    storage, removed = _pop_edit(storage, tok, idx, axis, fill, read, ordered)
+    narrow = None if dtype == storage.dtype else dtype
+    storage, removed = _pop_edit(storage, tok, idx, axis, fill, read, ordered, narrow)
     return from_carrier(storage, dtype), from_carrier(removed, dtype), tok
 
 
-def _pop_edit(storage, tok, idx, axis, fill, read, ordered):
+def _pop_edit(storage, tok, idx, axis, fill, read, ordered, values=None):
     idx, head = _split_head(idx, axis)
     bshape, size = _batch_size(idx)
     if _touches_nothing(size, storage.shape):
@@ -846,7 +862,7 @@ def _pop_edit(storage, tok, idx, axis, fill, read, ordered):
     heads = _heads(head, bshape)
     new_line = lambda j, line, col, ax=None: _shift_left(line, col, fill, heads(j), ax)
     if not read:  # a delete: the removed elements are not wanted
-        storage, _ = _shift(storage, tok, idx, axis, new_line, ordered)
+        storage, _ = _shift(storage, tok, idx, axis, new_line, ordered, values=values)
         return storage, jnp.zeros(bshape + storage.shape[axis + 1 :], storage.dtype)
     # A ring is one line (`_split_head`): neither of the next two paths, which
     # take the removed element at its logical position in the physical line.
@@ -859,7 +875,9 @@ def _pop_edit(storage, tok, idx, axis, fill, read, ordered):
         # `widened_write`) and so is not fused into the read.
         def body(j, state, idx):
             ix = _element(idx, j)
-            s, line = window2_edit(state[0], ix, axis, new_line, reduce_line=True)
+            s, line = window2_edit(
+                state[0], ix, axis, new_line, reduce_line=True, values=values
+            )
             return s, lax.dynamic_index_in_dim(line, ix[-1], 0, keepdims=False)
 
         vshape = storage.shape[axis + 1 :]

@@ -918,7 +918,7 @@ def materialise_deferred_reads(
     return waits
 
 
-def window2_edit(s, ix, axis, new_line, line=None, *, reduce_line=False):
+def window2_edit(s, ix, axis, new_line, line=None, *, reduce_line=False, values=None):
     """Rewrite the line `s[ix[:-1]]` through a window of it and a neighbouring line.
 
     Returns `(storage, line)`, `line` as read. An ordered shift without a loop.
@@ -935,8 +935,17 @@ def window2_edit(s, ix, axis, new_line, line=None, *, reduce_line=False):
     duplicated into its consumers as a read of the storage: two copies per step in
     the two-insert gradient.)
 
+    `values`: the dtype whose bits `s` holds (`carrier`: a bfloat16 or float8
+    buffer), or None. XLA writes such bits in place only when nothing else in the
+    write's fusion reads the storage: the window is then read from the values
+    (a `dynamic_slice` moves them exactly) and materialised by a reduction first,
+    a kernel of its own. Read from the bits in the write's fusion, it copied the
+    buffer every step (a traced insert into a `(3, 2000)` bfloat16 buffer: 1
+    copy forward, 2 under `grad`).
+
     Pinned by `tests/test_corpus.py::test_no_per_iteration_copies` on the
-    `two_inserts`, `three_inserts` and `pop` bodies.
+    `two_inserts`, `three_inserts` and `pop` bodies, and for `values` by
+    `tests/test_in_place.py::test_an_edit_of_a_narrow_float_buffer_of_several_lines_is_in_place`.
     """
     # Every dimension before the line's that has two elements is spanned by two
     # (a window of a `(8, 32, 64)` buffer shifted along its last axis is `(2, 2,
@@ -956,7 +965,14 @@ def window2_edit(s, ix, axis, new_line, line=None, *, reduce_line=False):
         k = k_d if k is None else 2 * k + k_d.astype(k.dtype)
     assert k is not None, "window2_edit needs a dimension before the line's"
     lines = math.prod(sizes[:axis])
-    win = lax.dynamic_slice(s, start, sizes, allow_negative_indices=NO_WRAP)
+    if values is None:
+        win = lax.dynamic_slice(s, start, sizes, allow_negative_indices=NO_WRAP)
+    else:
+        win = lax.dynamic_slice(
+            from_carrier(s, values), start, sizes, allow_negative_indices=NO_WRAP
+        )
+        win = to_carrier(win)  # (from the values: see above)
+        win = pick_by_max(jnp.stack([win, win]), opaque_zero(k), 0)[0]
     win = win.reshape((lines,) + tuple(s.shape[axis:]))
     if reduce_line:
         line, _ = pick_by_max(win, k, 0)
