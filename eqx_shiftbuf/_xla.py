@@ -222,7 +222,10 @@ def is_zeros(value: ir.Value) -> bool:
         return is_zeros(op.operands[0])
     if op.name != "stablehlo.constant":
         return False
-    attr = ir.DenseElementsAttr(op.attributes["value"])
+    try:
+        attr = ir.DenseElementsAttr(op.attributes["value"])
+    except TypeError:  # complex constants: the bindings cannot read them
+        return False
     if not attr.is_splat:
         return False
     splat = attr.get_splat_value()
@@ -822,12 +825,43 @@ DEFERRABLE_DTYPES = tuple(
 )
 
 
+# Every dtype whose values `_aval_of` may meet: a deferred read's storage, and the
+# cotangents `fold_cotangent_sum` folds, of any inexact dtype (a bfloat16 buffer's
+# whole-buffer `dynamic_slice` under `grad` raised a TypeError here when the list
+# held only `DEFERRABLE_DTYPES`).
+_IR_DTYPES = DEFERRABLE_DTYPES + tuple(
+    jnp.dtype(d)
+    for d in (
+        getattr(jnp, name, None)
+        for name in (
+            "bfloat16",
+            "complex64",
+            "complex128",
+            "float8_e4m3fn",
+            "float8_e4m3fnuz",
+            "float8_e4m3b11fnuz",
+            "float8_e5m2",
+            "float8_e5m2fnuz",
+            "float8_e3m4",
+            "float8_e4m3",
+            "float8_e8m0fnu",
+            "float4_e2m1fn",
+            "int4",
+            "uint4",
+            "int2",
+            "uint2",
+        )
+    )
+    if d is not None
+)
+
+
 def _aval_of(v: ir.Value) -> ShapedArray:
     t = ir.RankedTensorType(v.type)
-    for dtype in DEFERRABLE_DTYPES:
+    for dtype in _IR_DTYPES:
         if mlir.dtype_to_ir_type(dtype) == t.element_type:
             return ShapedArray(tuple(t.shape), dtype)
-    raise TypeError(f"eqx_shiftbuf: no deferrable dtype has the MLIR type {t}")
+    raise TypeError(f"eqx_shiftbuf: no dtype is known for the MLIR type {t}")
 
 
 def _materialise(ctx, mark: ir.Operation, reduced: Callable, token_after: Callable):

@@ -472,3 +472,55 @@ def test_a_window_written_into_a_narrow_float_buffer_has_plain_lax_values(dtype)
     (v1, (g1, b1)), (v2, (g2, b2)) = both
     assert np.asarray(b1).tobytes() == np.asarray(b2).tobytes()
     np.testing.assert_allclose([v1, g1], [v2, g2], rtol=1e-6)
+
+
+def _whole_slice_loss(dtype, lib: bool):
+    """An insert, then a `dynamic_slice` of the whole buffer: under `grad`, JAX sums
+    the buffer's two cotangents, which the next access folds
+    (`_xla.fold_cotangent_sum`)."""
+
+    def loss(s, a, xs):
+        def step(b, x):
+            r, c, v = x
+            val = (v * s).astype(dtype)
+            if lib:
+                b = b.insert((r, c), val)
+                w = b.dynamic_slice((0, 0), b.shape)
+            else:
+                pos = jnp.arange(b.shape[1])
+                row = b[r]
+                new = jnp.where(
+                    pos < c, row, jnp.where(pos == c, val, jnp.roll(row, 1))
+                )
+                b = b.at[r].set(new)
+                w = b
+            return b, jnp.real(w.astype(jnp.complex64) * s).sum()
+
+        b0 = esb.ShiftBuffer(a, axis=1) if lib else a
+        b, ys = lax.scan(step, b0, xs)
+        final = b.array if lib else b
+        return jnp.real(final.astype(jnp.complex64) ** 2).sum() + ys.sum()
+
+    xs = (
+        jnp.arange(STEPS, dtype=jnp.int32) % 4,
+        jnp.arange(STEPS, dtype=jnp.int32) * 5 % 32,
+        jnp.linspace(0.1, 1.0, STEPS),
+    )
+    a = jnp.asarray(np.random.default_rng(0).random((4, 32)), dtype)
+    return loss, (jnp.float32(0.5), a, xs)
+
+
+@pytest.mark.parametrize(
+    "dtype", [jnp.bfloat16, jnp.complex64], ids=lambda d: jnp.dtype(d).name
+)
+def test_a_whole_buffer_slice_of_any_dtype_has_plain_lax_gradients(dtype):
+    # The cotangent sum's dtype was looked up among the deferrable reads' dtypes
+    # only: a TypeError at trace time for a bfloat16 or complex buffer.
+    lib, args = _whole_slice_loss(dtype, lib=True)
+    plain, _ = _whole_slice_loss(dtype, lib=False)
+    got = jax.jit(jax.grad(lib, argnums=(0, 1)))(*args)
+    want = jax.jit(jax.grad(plain, argnums=(0, 1)))(*args)
+    for x, y in zip(got, want, strict=True):
+        np.testing.assert_allclose(
+            np.asarray(x, np.complex128), np.asarray(y, np.complex128), rtol=1e-2
+        )
