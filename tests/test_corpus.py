@@ -111,7 +111,10 @@ def test_matches_plain_autodiff(name, mode):
     _assert_close(ours, _plain_autodiff(name, mode))
 
 
-@pytest.mark.parametrize("mode", ["grad", "jvp", "vmap(grad)"])
+# (`jvp` through a checkpointed `esb.scan` is its forward pass with tangents:
+# `tests/test_scan.py::test_jvp_equals_lax_scan`, and the natural patterns'
+# `esb_scan` and `stack_scan*` rows in every mode.)
+@pytest.mark.parametrize("mode", ["grad", "vmap(grad)"])
 def test_under_checkpointed_esb_scan(name, mode):
     # The ShiftBuffer carry is stored at 3 checkpoints and steps are rerun from them:
     # same values and gradients as plain autodiff of lax.scan, no per-iteration copy.

@@ -13,6 +13,8 @@ included (`special.lax_writes_keep_nans`). A read never does.
 
 from __future__ import annotations
 
+import itertools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -23,7 +25,21 @@ import eqx_shiftbuf as esb
 from eqx_shiftbuf import _xla
 
 from . import reference as ref
-from .special import bit_patterns, bits, DTYPES, INEXACT_DTYPES, lax_writes_keep_nans
+from .special import (
+    bit_patterns,
+    bits,
+    DTYPES as ALL_DTYPES,
+    INEXACT_DTYPES,
+    lax_writes_keep_nans,
+)
+
+
+# Integers of 8 to 64 bits are moved as themselves on every path (no carrier, no
+# conversion, nothing XLA:CPU computes in another type): int8, uint32 and int64
+# stand for the other five. Every other dtype is checked: bool, the sub-byte
+# integers, every float and complex dtype.
+_LIKE_ANOTHER = {"int16", "int32", "uint8", "uint16", "uint64"}
+DTYPES = [p for p in ALL_DTYPES if p.id not in _LIKE_ANOTHER]
 
 
 ROWS = (0, 1, 2)  # the first, a middle and the last row
@@ -111,10 +127,10 @@ def pop(x, r, c):
     return esb.pop(x, (r, c), axis=1)
 
 
-@pytest.mark.parametrize("col", [0, 1])
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_pop_returns_every_value_bit_for_bit(dtype, col):
-    for row in ROWS:  # one compile per dtype, every row position
+def test_pop_returns_every_value_bit_for_bit(dtype):
+    # One compile per dtype, every row position, both lines of a row.
+    for row, col in itertools.product(ROWS, (0, 1)):
         a = lines_of(dtype)
         buf, got = pop(jnp.asarray(a), jnp.int32(row), jnp.int32(col))
         n = a.shape[2]
