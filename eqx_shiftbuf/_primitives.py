@@ -113,6 +113,7 @@ from ._xla import (
     marked_onto_zeros,
     marked_onto_zeros_result,
     materialise_deferred_reads,
+    materialised,
     on_several_devices,
     opaque_zero,
     pick_by_max,
@@ -426,10 +427,10 @@ def _accum_impl(
         if size == 1 and olds is None:  # no loop read first: see `widened_write`
             return widened_write(s, st, w.shape, lambda old: old + w)
         old = lax.dynamic_slice(s, st, w.shape) if olds is None else _take(olds, j)
-        new = (old + w).astype(dtype)
-        return lax.dynamic_update_slice(s, to_carrier(new) if narrow else new, st)
+        new = to_carrier((old + w).astype(dtype))  # (itself, unless narrow)
+        return lax.dynamic_update_slice(s, new, st)
 
-    storage = to_carrier(storage) if narrow else storage
+    storage = to_carrier(storage)
     return from_carrier(_write(tok, size, body, storage, starts, at), dtype), tok_in
 
 
@@ -789,7 +790,7 @@ def _materialised(x, line):
         or jnp.issubdtype(x.dtype, jnp.complexfloating)  # (no unsigned type as wide)
     ):
         return x
-    return pick_by_max(jnp.stack([x, x]), opaque_zero(x), 0)[0]
+    return materialised(x, opaque_zero(x))
 
 
 def _insert_impl(storage, tok, value, *idx, axis, ordered, nbatch=0):

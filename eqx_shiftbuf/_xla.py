@@ -425,6 +425,14 @@ def pick_by_max(pair, k, d: int, keepdims: bool = False):
     return lax.bitcast_convert_type(bits, pair.dtype), bits
 
 
+def materialised(x, zero):
+    """`x`, read through a reduction (`pick_by_max` of `x` paired with itself),
+    which XLA computes once, in a kernel of its own, instead of fusing it into its
+    consumers. `zero` is a run-time int32 zero (`opaque_zero`). For a real or bool
+    `x`."""
+    return pick_by_max(jnp.stack([x, x]), zero, 0)[0]
+
+
 def rolled_by_reduce(x, shift: int, axis: int = 0):
     """`jnp.roll(x, shift, axis)`, materialised: read as a `max` over pairs of the
     rolled bits and zeros (a `reduce_window`), exact for every real or bool dtype.
@@ -1005,8 +1013,7 @@ def window2_edit(s, ix, axis, new_line, line=None, *, reduce_line=False, values=
         win = lax.dynamic_slice(
             from_carrier(s, values), start, sizes, allow_negative_indices=NO_WRAP
         )
-        win = to_carrier(win)  # (from the values: see above)
-        win = pick_by_max(jnp.stack([win, win]), opaque_zero(k), 0)[0]
+        win = materialised(to_carrier(win), opaque_zero(k))  # (see above)
     win = win.reshape((lines,) + tuple(s.shape[axis:]))
     if reduce_line:
         line, _ = pick_by_max(win, k, 0)

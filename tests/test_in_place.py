@@ -424,6 +424,7 @@ def _narrow_loss(op, dtype, lib: bool = True):
             i, v = x
             if lib:
                 return _narrow_edit(op, b, i, v * s, dtype)
+            assert op == "dynamic_update_slice"  # (the only plain version)
             w = jnp.full((1, 16), v * s, dtype)
             return lax.dynamic_update_slice(b, w, (i % 3, i)), v * s
 
@@ -487,18 +488,13 @@ def _whole_slice_loss(dtype, lib: bool):
                 b = b.insert((r, c), val)
                 w = b.dynamic_slice((0, 0), b.shape)
             else:
-                pos = jnp.arange(b.shape[1])
-                row = b[r]
-                new = jnp.where(
-                    pos < c, row, jnp.where(pos == c, val, jnp.roll(row, 1))
-                )
-                b = b.at[r].set(new)
-                w = b
+                b = corpus.PLAIN.insert(b, (r, c), val)
+                w = b.array
             return b, jnp.real(w.astype(jnp.complex64) * s).sum()
 
-        b0 = esb.ShiftBuffer(a, axis=1) if lib else a
+        b0 = esb.ShiftBuffer(a, axis=1) if lib else corpus.PLAIN.wrap(a, 1)
         b, ys = lax.scan(step, b0, xs)
-        final = b.array if lib else b
+        final = b.array
         return jnp.real(final.astype(jnp.complex64) ** 2).sum() + ys.sum()
 
     xs = (
