@@ -114,6 +114,7 @@ from ._xla import (
     marked_onto_zeros_result,
     materialise_deferred_reads,
     materialised,
+    moved_as_bits,
     on_several_devices,
     opaque_zero,
     pick_by_max,
@@ -408,7 +409,7 @@ def _accum_impl(
     # one fusion, a batched accumulation (the transpose of a read under `vmap`)
     # copied the buffer every step.
     dtype = storage.dtype
-    narrow = carrier(dtype) != dtype
+    narrow = moved_as_bits(dtype)
     if narrow or (ordered and (size != 1 or _pair_dim(sizes, storage.shape) is None)):
         # As in `_shift`: read the old windows first (`_read_impl`: in a loop if
         # batched). Unbatched, only where the write cannot be widened
@@ -572,7 +573,7 @@ def _swap_impl(storage, tok, update, *starts, read, nbatch=0, ring=None, ordered
         # through the conversion only when nothing else in the write's fusion
         # reads the storage, which the widened window's neighbour does (a copy of
         # the buffer per step; `tests/test_in_place.py`). Written as the window.
-        if size == 1 and dtype == storage.dtype:
+        if size == 1 and not moved_as_bits(dtype):
             return widened_write(s, _element(starts, j), u.shape, lambda old: u)
         return lax.dynamic_update_slice(s, u, _element(starts, j))
 
@@ -805,7 +806,7 @@ def _insert_impl(storage, tok, value, *idx, axis, ordered, nbatch=0):
     new_line = lambda j, line, col, ax=None: _shift_right(
         line, col, _take(value, j), heads(j), ax
     )
-    narrow = None if dtype == storage.dtype else dtype
+    narrow = dtype if moved_as_bits(dtype) else None
     storage = _shift(storage, tok, idx, axis, new_line, ordered, values=narrow)[0]
     return from_carrier(storage, dtype), tok
 
@@ -850,7 +851,7 @@ def _pop_impl(storage, tok, *idx, axis, fill, read, ordered, nbatch=0):
     # Moved as bits, as an insert (`_insert_impl`); `fill` too.
     dtype, storage = storage.dtype, to_carrier(storage)
     fill = np.asarray(fill, dtype).view(carrier(dtype))[()]
-    narrow = None if dtype == storage.dtype else dtype
+    narrow = dtype if moved_as_bits(dtype) else None
     storage, removed = _pop_edit(storage, tok, idx, axis, fill, read, ordered, narrow)
     return from_carrier(storage, dtype), from_carrier(removed, dtype), tok
 

@@ -389,6 +389,14 @@ def carrier(dtype) -> Any:
     )
 
 
+def moved_as_bits(dtype) -> bool:
+    """Whether a buffer of `dtype` is moved as the bits of its `carrier`: then XLA
+    writes it in place through the conversion only when nothing else in the
+    write's own fusion reads the storage, so its edits read first, in a kernel of
+    their own (`_primitives`: the narrow window write, shift and accumulation)."""
+    return carrier(dtype) != jnp.dtype(dtype)
+
+
 def to_carrier(x: jax.Array) -> jax.Array:
     """`x` as its `carrier` dtype (the same bits; `x` itself if that is its dtype)."""
     c = carrier(x.dtype)

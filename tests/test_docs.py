@@ -160,9 +160,7 @@ def _check_stack_rnn(stack):
     for kind in ("pointer", "shift"):
         assert stack[kind]["grad_copies"] == 0, stack
         assert stack[kind]["accuracy"] > 0.5, stack
-    # On the test's one device; `tests/test_sharding.py` runs it on 4.
-    dp = stack["data_parallel"]
-    assert dp["max_difference"] < 1e-5 and dp["moves"] == 0 and dp["copies"] == 0, dp
+    # The data-parallel step: `tests/test_sharding.py` runs it on 4 devices.
 
 
 def _check_layout(layout):

@@ -34,11 +34,18 @@ from .special import (
 )
 
 
-# Integers of 8 to 64 bits are moved as themselves on every path (no carrier, no
-# conversion, nothing XLA:CPU computes in another type): int8, uint32 and int64
-# stand for the other five. Every other dtype is checked: bool, the sub-byte
-# integers, every float and complex dtype.
-_LIKE_ANOTHER = {"int16", "int32", "uint8", "uint16", "uint64"}
+# Integers are moved as themselves on every path (no carrier, no conversion,
+# nothing XLA:CPU computes in another type): int8, uint32 and int64 stand for the
+# other integers of 8 to 64 bits, int4 and uint2 for the sub-byte ones. The float8
+# dtypes are all moved as the bits of their carrier, uint8 (`_xla.carrier`), so
+# they differ only in which patterns `lax` writes keep: e4m3fn, e4m3fnuz, e5m2 and
+# e8m0fnu stand for the others, one of each NaN encoding (S.1111.111; the negative
+# zero's pattern; IEEE's; all ones, no sign). Every other dtype is checked: bool,
+# float4, bfloat16, float16 to float64, both complex dtypes.
+_LIKE_ANOTHER = {
+    *("int2", "int16", "int32", "uint4", "uint8", "uint16", "uint64"),
+    *("float8_e3m4", "float8_e4m3", "float8_e4m3b11fnuz", "float8_e5m2fnuz"),
+}
 DTYPES = [p for p in ALL_DTYPES if p.id not in _LIKE_ANOTHER]
 
 
