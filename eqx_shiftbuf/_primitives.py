@@ -108,6 +108,7 @@ from ._xla import (
     is_zeros,
     loop_not_unrolled,
     lowered_at,
+    lowered_once_per_call,
     lowered_without_explicit_shardings,
     marked_edit,
     marked_onto_zeros,
@@ -1057,6 +1058,7 @@ def _define(name: str, impl: Callable, abstract: Callable, n_arrays: int) -> Pri
                 )
                 return out
 
+            lowered_once_per_call(ctx)
             window, tok = deferred_read(storage, tok, starts, sizes, ring, gather)
             return [storage, window, tok]
         onto_zeros = False

@@ -741,8 +741,16 @@ def _callee(call: ir.Operation, module) -> ir.Operation:
 def _aliases(storage: ir.Value, module) -> list:
     """`storage` and the values it was passed on from, through the operations
     that hand an operand on as a result: a loop, a barrier, a call of a function
-    (a `jax.jit` inside the program) that returns its argument, whose argument is
-    an alias too, so that its reads are found."""
+    (a `jax.jit` inside the program, a step of a `lax.scan(..., unroll=k)`), whose
+    returned value is an alias, and so is its argument if it returns that, so that
+    their reads are found.
+
+    The returned value of a called function: a step of an unrolled `lax.scan` is a
+    call, whose reads at its end (a delay line's taps, read after the step's
+    write) are left deferred when that function is lowered, and the next step's
+    first edit follows them in the same loop body. Not found there, they were
+    plain slices unordered with that edit: 2 copies per step forward, 4 under
+    `jvp` (`tests/test_deferred_reads.py`)."""
     out, todo = [], [storage]
     while todo:
         v = todo.pop()
@@ -756,10 +764,9 @@ def _aliases(storage: ir.Value, module) -> list:
         elif owner.name == "func.call":
             body = _callee(owner, module).regions[0].blocks[0]
             returned = body.operations[len(body.operations) - 1].operands[k]
+            todo.append(returned)
             if isinstance(returned.owner, ir.Block):  # the callee's argument
-                arg = ir.BlockArgument(returned).arg_number
-                out.append(returned)
-                todo.append(owner.operands[arg])
+                todo.append(owner.operands[ir.BlockArgument(returned).arg_number])
     return out
 
 
@@ -806,17 +813,90 @@ def _open(block: ir.Block) -> bool:
 def _all_marks(module) -> list:
     """The marked windows of the deferred reads in blocks still being lowered:
     those of the functions and loop bodies whose lowering called the function being
-    lowered. Reads in finished blocks (an earlier loop, the forward pass of a
-    gradient) cannot be followed by this access, and are left as they are."""
-    out = []
+    lowered; and those at the top of a finished function called from such a block
+    (the step before this one, in a `lax.scan(..., unroll=k)`, or a `jax.jit` step
+    called twice: see `lowered_once_per_call`). Reads in other finished blocks (an
+    earlier loop, the forward pass of a gradient) cannot be followed by this
+    access, and are left as they are.
+
+    A loop is added to the program once its body is lowered, so the calls in a
+    loop body being lowered are not reachable from the module yet: a finished
+    function is taken as called from a block being lowered unless a call of it is
+    reachable in a finished block (checked on jax 0.10 by
+    `tests/test_deferred_reads.py`)."""
+    marks, called_when_done = [], set()
 
     def visit(op):
-        if _DEFERRED_READ in op.attributes and _open(op.block):
-            out.append(op)
+        if _DEFERRED_READ in op.attributes:
+            marks.append(op)
+        elif op.name == "func.call" and not _open(op.block):
+            called_when_done.add(ir.FlatSymbolRefAttr(op.attributes["callee"]).value)
         return ir.WalkResult.ADVANCE
 
     module.operation.walk(visit)
-    return out
+    done = (None, "main", *called_when_done)
+    return [m for m in marks if _open(m.block) or _top_of(m.block) not in done]
+
+
+def _top_of(block: ir.Block) -> str | None:
+    """The name of the function whose body `block` is, or None (a loop body, a
+    branch)."""
+    op = block.owner.operation
+    if op.name != "func.func":
+        return None
+    return ir.StringAttr(op.attributes["sym_name"]).value
+
+
+class _NotReusedAfterDeferredReads(dict):
+    """A module's cache of lowered functions (`ModuleContext.
+    cached_primitive_lowerings`) that does not hand out a function whose body holds
+    deferred reads: such a function is lowered again for each call.
+
+    JAX lowers a function once and calls it wherever the same jaxpr is called: the
+    steps of a `lax.scan(..., unroll=k)` (each a `closed_call` of the body), a
+    `jax.jit` step called twice. The reads at the end of the step are left
+    deferred (plain slices that XLA fuses into their users) when it is lowered,
+    and the next call's first edit, lowered with it and before them, cannot wait
+    for them: XLA copied the buffer (2 copies per step forward, 4 under `jvp`, on a
+    delay line's taps with `unroll=2`). Lowered again, the next call's edit is
+    lowered after the previous call, and materialises its reads
+    (`_all_marks`)."""
+
+    def __getitem__(self, key):
+        value = super().__getitem__(key)
+        func = getattr(value, "func", value)  # `jax.jit`'s cache holds a record
+        op = getattr(func, "operation", None)
+        if op is not None and op.name == "func.func" and _holds_deferred_reads(op):
+            raise KeyError(key)
+        return value
+
+    def get(self, key, default=None):
+        try:
+            return self[key]
+        except KeyError:
+            return default
+
+
+def _holds_deferred_reads(func: ir.Operation) -> bool:
+    ops = func.regions[0].blocks[0].operations
+    return any(_DEFERRED_READ in op.operation.attributes for op in ops)
+
+
+def lowered_once_per_call(ctx) -> None:
+    """Make the module being lowered lower a function again for each call of it
+    once one holds deferred reads (`_NotReusedAfterDeferredReads`): called where
+    a read is deferred at the top of a function other than the entry."""
+    block = ir.InsertionPoint.current.block  # pyright: ignore[reportAttributeAccessIssue]
+    name = _top_of(block)
+    module_ctx = ctx.module_context
+    cache = module_ctx.cached_primitive_lowerings
+    if (
+        name is None
+        or name == "main"
+        or isinstance(cache, _NotReusedAfterDeferredReads)
+    ):
+        return
+    module_ctx.cached_primitive_lowerings = _NotReusedAfterDeferredReads(cache)
 
 
 # The dtypes of the buffers whose reads are deferred: those XLA:CPU moves exactly
