@@ -1562,6 +1562,28 @@ def _move_front(x, bd, size):
     return jnp.moveaxis(x, bd, 0)
 
 
+def _own_broadcast(x, size: int, like, ldim: int) -> jax.Array:
+    """`x` broadcast to `(size,) + x.shape`, for a batched write into it: selected
+    by a condition XLA cannot fold (true at run time) computed from `like`, a
+    write's operand batched along `ldim`, so that XLA does not merge it with an
+    equal broadcast elsewhere. Two batched writes onto one broadcast (the
+    cotangents of two `dynamic_slice` windows of a step under `vmap(grad)`,
+    accumulated onto the zeros of the dropped buffer's cotangent; one in each step
+    of an unrolled scan) each got a copy of it, every step.
+
+    The condition is per batch element (`x > inf` on an element of each: false for
+    every value), so that a batch sharded over devices is not sliced across them;
+    selected as bits (`carrier`), so exact."""
+    b = to_carrier(jnp.broadcast_to(x, (size,) + x.shape))
+    first = jnp.moveaxis(jnp.asarray(like), ldim, 0).reshape(size, -1)[:, 0]
+    if jnp.issubdtype(first.dtype, jnp.complexfloating):
+        first = jnp.real(first)
+    zero = (lax.convert_element_type(first, jnp.float32) > jnp.inf).astype(jnp.int32)
+    zero = zero.reshape((size,) + (1,) * x.ndim)
+    other = jnp.broadcast_to((zero + 1).astype(b.dtype), b.shape)
+    return from_carrier(jnp.where(zero == 0, b, other), x.dtype)
+
+
 def _batch_common(args, dims, n_leading: int, write: bool):
     """Normalise (storage, tok, *values[:n_leading], *idx) for a batched call.
 
@@ -1586,8 +1608,12 @@ def _batch_common(args, dims, n_leading: int, write: bool):
     idx = [
         _move_front(i, d, size).reshape((size,) + bshape) for i, d in zip(idx, idims)
     ]
-    if storage_batched:
+    if storage_batched and sdim is None:
+        like, ldim = next((a, d) for a, d in zip(args, dims) if d is not None)
+        storage = _own_broadcast(storage, size, like, ldim)
+    elif storage_batched:
         storage = _move_front(storage, sdim, size)
+    if storage_batched:
         pos = lax.broadcasted_iota(idx[0].dtype, (size,) + bshape, 0)
         idx = [pos] + idx
     values = [_move_front(v, d, size) for v, d in zip(values, vdims)]
