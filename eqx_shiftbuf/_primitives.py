@@ -1469,6 +1469,13 @@ def _read_transpose(cts, storage, tok, *starts, sizes, nbatch, wrap=None, ring=N
     ct_s, ct_w, ct_t = cts
     if _all_zero(ct_s, ct_w):
         return [ad.Zero(_aval(storage)), _tok_ct(tok, ct_t)] + [None] * len(starts)
+    batch = _aval(storage).shape[:nbatch]
+    if type(ct_s) is ad.Zero and nbatch and ct_w.shape[:nbatch] == batch:
+        # A batch of windows whose buffers were dropped: accumulated onto zeros
+        # of their own (`_unmerged`). Unbatched, the accumulation onto zeros is
+        # folded into the sum JAX makes of the buffer's cotangents instead
+        # (`_xla.fold_cotangent_sum`).
+        ct_s = _unmerged(_zeros_like_aval(_aval(storage)), ct_w, nbatch)
     ct_s = _ct_or_zeros(ct_s, _aval(storage))
     t = _ct_or_zeros(ct_t, _aval(tok))
     if type(ct_w) is not ad.Zero:
@@ -1562,26 +1569,27 @@ def _move_front(x, bd, size):
     return jnp.moveaxis(x, bd, 0)
 
 
-def _own_broadcast(x, size: int, like, ldim: int) -> jax.Array:
-    """`x` broadcast to `(size,) + x.shape`, for a batched write into it: selected
-    by a condition XLA cannot fold (true at run time) computed from `like`, a
-    write's operand batched along `ldim`, so that XLA does not merge it with an
-    equal broadcast elsewhere. Two batched writes onto one broadcast (the
-    cotangents of two `dynamic_slice` windows of a step under `vmap(grad)`,
-    accumulated onto the zeros of the dropped buffer's cotangent; one in each step
-    of an unrolled scan) each got a copy of it, every step.
+def _unmerged(b: jax.Array, like: jax.Array, nlead: int) -> jax.Array:
+    """`b`, selected by a condition XLA cannot fold (true at run time) computed from
+    `like`, an operand of the write into `b`: their first `nlead` dimensions are
+    batch dimensions, shared. So that XLA does not merge `b`, a broadcast, with an
+    equal one elsewhere: two batched writes onto one broadcast (the cotangents of
+    two `dynamic_slice` windows in a loop body, accumulated onto the zeros of the
+    dropped buffer's cotangent, under `vmap(grad)` or `grad(vmap)`; one in each
+    step of an unrolled scan) each got a copy of it, every step.
 
     The condition is per batch element (`x > inf` on an element of each: false for
     every value), so that a batch sharded over devices is not sliced across them;
     selected as bits (`carrier`), so exact."""
-    b = to_carrier(jnp.broadcast_to(x, (size,) + x.shape))
-    first = jnp.moveaxis(jnp.asarray(like), ldim, 0).reshape(size, -1)[:, 0]
+    dtype, b = b.dtype, to_carrier(b)
+    lead = like.shape[:nlead]
+    first = like.reshape(lead + (-1,))[..., 0]
     if jnp.issubdtype(first.dtype, jnp.complexfloating):
         first = jnp.real(first)
     zero = (lax.convert_element_type(first, jnp.float32) > jnp.inf).astype(jnp.int32)
-    zero = zero.reshape((size,) + (1,) * x.ndim)
+    zero = zero.reshape(lead + (1,) * (b.ndim - nlead))
     other = jnp.broadcast_to((zero + 1).astype(b.dtype), b.shape)
-    return from_carrier(jnp.where(zero == 0, b, other), x.dtype)
+    return from_carrier(jnp.where(zero == 0, b, other), dtype)
 
 
 def _batch_common(args, dims, n_leading: int, write: bool):
@@ -1610,7 +1618,8 @@ def _batch_common(args, dims, n_leading: int, write: bool):
     ]
     if storage_batched and sdim is None:
         like, ldim = next((a, d) for a, d in zip(args, dims) if d is not None)
-        storage = _own_broadcast(storage, size, like, ldim)
+        storage = jnp.broadcast_to(storage, (size,) + storage.shape)
+        storage = _unmerged(storage, jnp.moveaxis(like, ldim, 0), 1)
     elif storage_batched:
         storage = _move_front(storage, sdim, size)
     if storage_batched:

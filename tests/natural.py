@@ -251,6 +251,10 @@ def _checkpointed(f, init, xs):
     return esb.scan(f, init, xs, kind="checkpointed")
 
 
+def _unrolled2(f, init, xs):
+    return lax.scan(f, init, xs, unroll=2)
+
+
 # ---------------------------------------------------------------------------
 # Rows.
 
@@ -528,6 +532,12 @@ ROWS += (
         name="front_stack_scan",
         what="the front stack under checkpointed esb.scan",
         scan=_checkpointed,
+    ),
+    dataclasses.replace(
+        ROWS_BY_NAME_0["delay_taps"],
+        name="taps_unroll2",
+        what="delay_taps under lax.scan(..., unroll=2): two steps a loop trip",
+        scan=_unrolled2,
     ),
 )
 ROWS_BY_NAME = {r.name: r for r in ROWS}

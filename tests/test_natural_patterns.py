@@ -77,6 +77,10 @@ IN_PLACE = [
     ("delay_whole", "grad"),
     ("delay_taps", "grad"),
     ("delay_taps", "vmap(grad)"),
+    # Two steps a loop trip: the step is one function JAX calls twice, whose taps
+    # end it; it is lowered for each call (`_xla.lowered_once_per_call`).
+    ("taps_unroll2", "fwd"),
+    ("taps_unroll2", "jvp"),
     ("front_stack", "grad"),
     ("front_stack", "jvp"),
     ("front_stack_b", "vmap(grad)"),
@@ -120,6 +124,7 @@ def test_no_per_iteration_copies(row, mode):
         "whole_array",
         "delay_whole",
         "delay_taps",
+        "taps_unroll2",
         "ring_taps",
         "front_stack",
         "queue",

@@ -163,7 +163,7 @@ def test_two_window_reads_under_vmap_of_grad_copy_nothing(unroll):
     # Under `vmap(grad)` each window's cotangent is accumulated, batched, onto a
     # broadcast of the dropped buffer's zero cotangent; XLA merged the two equal
     # broadcasts and copied one for each accumulation: 2 copies per step (4 with
-    # `unroll=2`; `_primitives._own_broadcast`).
+    # `unroll=2`; `_primitives._unmerged`).
     s, a, xs = _two_windows_args()
     fn = _two_windows_loss(unroll)
     copies = esb.find_loop_copies(fn, s, a, xs, min_bytes=a.nbytes // 2)
@@ -176,3 +176,27 @@ def test_two_window_reads_under_vmap_of_grad_match_plain_lax():
     want = jax.jit(_two_windows_loss(1, plain=True))(*args)
     for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
         np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5)
+
+
+def _insert_then_old_window_loss(s, a, xs):
+    # A window of the buffer from before an insert, in a scan of two steps a loop
+    # trip; the buffer is one for the batch, so the insert makes it a batch.
+    def step(b, x):
+        i, j, v = x
+        w = b.dynamic_slice((i, 0), (1, 16))
+        return b.insert((j, 0), v * s), (w * v * s).sum()
+
+    b, ys = lax.scan(step, esb.ShiftBuffer(a, axis=1), xs, unroll=2)
+    return (b.array**2).sum() + ys.sum()
+
+
+def test_batched_windows_of_dropped_buffers_under_grad_of_vmap_copy_nothing():
+    # Under `grad(vmap)` the window's cotangent is accumulated, batched, onto the
+    # zeros of the dropped buffer's cotangent, one such accumulation in each step
+    # of the loop trip: XLA merged their two zero broadcasts and copied one for
+    # each, 2 copies per step (`_primitives._unmerged`).
+    s, a, xs = _two_windows_args()
+    vl = jax.vmap(_insert_then_old_window_loss, in_axes=(None, None, 0))
+    fn = jax.grad(lambda s, a, xs: vl(s, a, xs).sum(), argnums=(0, 1))
+    copies = esb.find_loop_copies(fn, s, a, xs, min_bytes=a.nbytes // 2)
+    assert copies == [], "\n".join(map(str, copies))

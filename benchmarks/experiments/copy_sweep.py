@@ -13,6 +13,7 @@ along the shift axis (traced from the scan's inputs, or Python / NumPy ints) and
     python benchmarks/experiments/copy_sweep.py --styles pyint,npint,traced64 --shapes flat,ring
     python benchmarks/experiments/copy_sweep.py --kind esb           # under checkpointed esb.scan
     python benchmarks/experiments/copy_sweep.py --kind fori          # a lax.fori_loop
+    python benchmarks/experiments/copy_sweep.py --unroll 2           # two steps a loop trip
     python benchmarks/experiments/copy_sweep.py --shapes last3 --bodies ins_del --detail
 
 All shapes with traced int32 take about 5 minutes on the project's 2-core CPU.
@@ -30,6 +31,7 @@ limits). Before this day's fixes, bfloat16 copied on 69 of the 156 default rows.
 """
 
 import argparse
+import functools
 import sys
 from pathlib import Path
 
@@ -132,11 +134,11 @@ def bodies(shape, axis, dtype):
 MODES = ("fwd", "grad", "jvp", "vmap", "vmap(grad)", "jvp(vmap)", "grad(vmap)")
 
 
-def scanner(kind):
+def scanner(kind, unroll=1):
     if kind == "lax":
-        return lax.scan
+        return functools.partial(lax.scan, unroll=unroll)
     if kind == "esb":
-        return lambda f, c, xs: esb.scan(f, c, xs, kind="checkpointed")
+        return lambda f, c, xs: esb.scan(f, c, xs, kind="checkpointed", unroll=unroll)
     if kind == "fori":
 
         def fs(f, c, xs):
@@ -148,15 +150,15 @@ def scanner(kind):
                 return c, acc + y
 
             c, acc = lax.fori_loop(
-                0, L, body, (c, jnp.zeros((), jnp.result_type(float)))
+                0, L, body, (c, jnp.zeros((), jnp.result_type(float))), unroll=unroll
             )
             return c, acc
 
         return fs
 
 
-def prog(mode, body, axis, style, n, kind):
-    sc = scanner(kind)
+def prog(mode, body, axis, style, n, kind, unroll=1):
+    sc = scanner(kind, unroll)
 
     def loss(s, a, xs):
         def step(b, x):
@@ -187,6 +189,7 @@ def main():
     ap.add_argument("--modes", default=",".join(MODES))
     ap.add_argument("--kind", default="lax")
     ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--unroll", type=int, default=1, help="the loop's `unroll`")
     ap.add_argument("--detail", action="store_true")
     args = ap.parse_args()
     dtype = jnp.dtype(args.dtype)
@@ -216,7 +219,7 @@ def main():
                         continue
                     try:
                         cs = esb.find_loop_copies(
-                            prog(m, B[bname], axis, style, n, args.kind),
+                            prog(m, B[bname], axis, style, n, args.kind, args.unroll),
                             s,
                             a,
                             bxs if "vmap" in m else xs,
