@@ -97,6 +97,7 @@ from jax.interpreters import ad, batching, mlir
 
 from ._xla import (
     added_in_halves,
+    after_marked_reads,
     carrier,
     computed_from_scalars,
     DEFERRABLE_DTYPES,
@@ -113,6 +114,7 @@ from ._xla import (
     marked_edit,
     marked_onto_zeros,
     marked_onto_zeros_result,
+    marked_read,
     materialise_deferred_reads,
     materialised,
     moved_as_bits,
@@ -972,8 +974,9 @@ def _after_deferred_reads(ctx, args):
     materialised (`materialise_deferred_reads`)."""
     storage, tok, *rest = args
     waits = materialise_deferred_reads(ctx, storage, _reduced_read, _read_token)
+    tok = after_marked_reads(storage, tok, ctx.module_context.module)
     if not waits:
-        return args
+        return (storage, tok, *rest)
 
     def wait(tok, *bits):
         for b in bits:
@@ -1081,6 +1084,8 @@ def _define(name: str, impl: Callable, abstract: Callable, n_arrays: int) -> Pri
         if name == "esb_accum":
             params = dict(params, scalars=computed_from_scalars(args[2]))
         out = (split if many else plain)(ctx, *args, **params)
+        if name == "esb_read" and not many:
+            marked_read(args[0], out[2])  # for a later edit to wait for
         if onto_zeros:
             out = [marked_onto_zeros_result(out[0]), *out[1:]]
         return out

@@ -660,7 +660,40 @@ _UNMOVABLE = frozenset(
         "stablehlo.create_token",
     }
 )
-_MARKS = (_EDIT_OF, _EDIT_TOKEN, _DEFERRED_READ, _READ_TOKEN)
+# A read lowered materialised (batched, or of a dtype whose reads are not
+# deferred) whose window is then used without its token (`dynamic_slice`): a later
+# edit of the storage in the same block did not wait for it, and XLA copied the
+# buffer (a window then an insert under `vmap`: 2 copies per step). The read's
+# lowering leaves a dead `tuple` of the storage and its token, marked, for the
+# edit's lowering to find (`read_waits`); XLA removes it.
+_READ_WAIT = "esb.read_wait"
+
+
+def marked_read(storage: ir.Value, tok: ir.Value) -> None:
+    """Mark a materialised read of `storage` whose token is `tok` (`_READ_WAIT`)."""
+    op = hlo.TupleOp([storage, tok])
+    op.operation.attributes[_READ_WAIT] = ir.UnitAttr.get()
+
+
+def after_marked_reads(storage: ir.Value, tok: ir.Value, module) -> ir.Value:
+    """`tok`, an edit's token, made to wait for the materialised reads of
+    `storage` (`marked_read`) in the block being lowered: plus their tokens."""
+    block = ir.InsertionPoint.current.block  # pyright: ignore[reportAttributeAccessIssue]
+    for v in _aliases(storage, module):
+        for use in list(v.uses):
+            op = _operation(use.owner)
+            if (
+                op is not None
+                and _READ_WAIT in op.attributes
+                and op.block == block
+                and use.operand_number == 0
+                and op.operands[1].type == tok.type
+            ):
+                tok = hlo.AddOp(tok, op.operands[1]).result
+    return tok
+
+
+_MARKS = (_EDIT_OF, _EDIT_TOKEN, _DEFERRED_READ, _READ_TOKEN, _READ_WAIT)
 
 
 def _pure(op: ir.Operation, module) -> bool:

@@ -178,25 +178,104 @@ def test_two_window_reads_under_vmap_of_grad_match_plain_lax():
         np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5)
 
 
-def _insert_then_old_window_loss(s, a, xs):
-    # A window of the buffer from before an insert, in a scan of two steps a loop
-    # trip; the buffer is one for the batch, so the insert makes it a batch.
+def _window_then_insert_loss(unroll: int, dtype=jnp.float32, plain: bool = False):
+    """A window read with `dynamic_slice` (no token), then an insert, in a scan;
+    the buffer one for the batch under `vmap` (the insert makes it a batch)."""
+
+    def loss(s, a, xs):
+        def step(b, x):
+            i, j, v = x
+            if plain:
+                w = lax.dynamic_slice(b, (i, jnp.int32(0)), (1, 16))
+                row = jnp.concatenate([(v * s).astype(dtype)[None], b[j, :-1]])
+                b = lax.dynamic_update_slice(b, row[None], (j, jnp.int32(0)))
+            else:
+                w = b.dynamic_slice((i, 0), (1, 16))
+                b = b.insert((j, 0), (v * s).astype(dtype))
+            return b, (w.astype(jnp.float32) * v * s).sum()
+
+        b = a.astype(dtype)
+        b = b if plain else esb.ShiftBuffer(b, axis=1)
+        b, ys = lax.scan(step, b, xs, unroll=unroll)
+        b = b if plain else b.array
+        return (b.astype(jnp.float32) ** 2).sum() + ys.sum()
+
+    return loss
+
+
+def _under(mode, loss):
+    both = (0, 1)
+    if mode == "fwd":
+        return loss
+    if mode == "grad":
+        return jax.grad(loss, argnums=both)
+    if mode == "jvp":
+        return lambda s, a, xs: jax.jvp(lambda s, a: loss(s, a, xs), (s, a), (s, a))
+    vl = jax.vmap(loss, in_axes=(None, None, 0))
+    if mode == "vmap":
+        return vl
+    if mode == "vmap(grad)":
+        return jax.vmap(jax.grad(loss, argnums=both), in_axes=(None, None, 0))
+    if mode == "jvp(vmap)":
+        return lambda s, a, xs: jax.jvp(lambda s, a: vl(s, a, xs), (s, a), (s, a))
+    assert mode == "grad(vmap)"
+    return jax.grad(lambda s, a, xs: vl(s, a, xs).sum(), argnums=both)
+
+
+_BATCHED_MODES = ["vmap", "vmap(grad)", "jvp(vmap)", "grad(vmap)"]
+
+
+@pytest.mark.parametrize("mode", _BATCHED_MODES)
+def test_a_window_then_an_insert_under_vmap_copy_nothing(mode):
+    # A batched read is materialised (not deferred), and its token was dropped
+    # with the buffer: the insert after it did not wait for it, and XLA copied
+    # the buffer, 2 copies per step (4 under jvp(vmap)). The read's lowering now
+    # marks its token for the insert's lowering (`_xla.marked_read`).
+    s, a, xs = _two_windows_args()
+    fn = _under(mode, _window_then_insert_loss(1))
+    copies = esb.find_loop_copies(fn, s, a, xs, min_bytes=a.nbytes // 2)
+    assert copies == [], "\n".join(map(str, copies))
+
+
+@pytest.mark.parametrize("mode", ["fwd", "grad", "jvp"])
+def test_a_window_then_an_insert_of_a_bfloat16_buffer_copy_nothing(mode):
+    # A bfloat16 read is materialised too (not a deferrable dtype): 1 copy per
+    # step forward, 1 under grad, 2 under jvp, before the mark.
+    s, a, xs = _two_windows_args()
+    xs = jax.tree.map(lambda x: x[0], xs)  # one sequence
+    fn = _under(mode, _window_then_insert_loss(1, jnp.bfloat16))
+    copies = esb.find_loop_copies(fn, s, a, xs, min_bytes=a.nbytes // 4)
+    assert copies == [], "\n".join(map(str, copies))
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_a_window_then_an_insert_under_vmap_of_grad_match_plain_lax(dtype):
+    args = _two_windows_args()
+    mode = "vmap(grad)"
+    got = jax.jit(_under(mode, _window_then_insert_loss(1, dtype)))(*args)
+    want = jax.jit(_under(mode, _window_then_insert_loss(1, dtype, plain=True)))(*args)
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5)
+
+
+def _old_window_loss(s, a, xs):
+    # An insert, then a window of the buffer from before it (lowered before the
+    # insert: `_xla.edits_of`), two steps a loop trip.
     def step(b, x):
         i, j, v = x
-        w = b.dynamic_slice((i, 0), (1, 16))
-        return b.insert((j, 0), v * s), (w * v * s).sum()
+        new = b.insert((j, 0), v * s)
+        return new, (b.dynamic_slice((i, 0), (1, 16)) * v * s).sum()
 
     b, ys = lax.scan(step, esb.ShiftBuffer(a, axis=1), xs, unroll=2)
     return (b.array**2).sum() + ys.sum()
 
 
-def test_batched_windows_of_dropped_buffers_under_grad_of_vmap_copy_nothing():
-    # Under `grad(vmap)` the window's cotangent is accumulated, batched, onto the
-    # zeros of the dropped buffer's cotangent, one such accumulation in each step
-    # of the loop trip: XLA merged their two zero broadcasts and copied one for
-    # each, 2 copies per step (`_primitives._unmerged`).
+def test_windows_of_dropped_buffers_under_grad_of_vmap_copy_nothing():
+    # Under `grad(vmap)` each window's cotangent is accumulated, batched, onto
+    # the zeros of the dropped buffer's cotangent, one in each step of the loop
+    # trip: XLA merged their two zero broadcasts and copied one for each, 2
+    # copies per step (`_primitives._unmerged`).
     s, a, xs = _two_windows_args()
-    vl = jax.vmap(_insert_then_old_window_loss, in_axes=(None, None, 0))
-    fn = jax.grad(lambda s, a, xs: vl(s, a, xs).sum(), argnums=(0, 1))
+    fn = _under("grad(vmap)", _old_window_loss)
     copies = esb.find_loop_copies(fn, s, a, xs, min_bytes=a.nbytes // 2)
     assert copies == [], "\n".join(map(str, copies))

@@ -28,6 +28,12 @@ shapes `one3,twoA,mid4,long`: 0 everywhere. `--dtype float16` (six shapes): 0.
 modes): 0 on every row but `ins_read` (1, 1, 2 copies forward, grad, jvp, on every
 shape); with `--styles pyint,pyneg` on the rings, `ds_ins` too (README, known
 limits). Before this day's fixes, bfloat16 copied on 69 of the 156 default rows.
+Later on 2026-12-06: `--unroll 2` (the default sweep) copied on `ds` and `ds_ins`
+under vmap(grad) and grad(vmap) on every shape (2 a step); the new body `win_ins`
+(a `dynamic_slice` window, then an insert) copied under every vmap mode on every
+shape (2, 2, 4, 2), and in bfloat16 forward too (1, 1, 2). After that day's
+fixes: 0 on all of them but `ds` under grad(vmap) with `--unroll 2` (2: README,
+known limits).
 """
 
 import argparse
@@ -115,6 +121,11 @@ def bodies(shape, axis, dtype):
     B["ds_ins"] = lambda b, i, j, v: (
         b.insert(lead() + (j,), val(v)),
         (f32(b.dynamic_slice(st(i), wsz)) * v).sum(),
+    )
+    B["win_ins"] = lambda b, i, j, v: (  # the window only (no token), then an edit
+        (lambda w: (b.insert(lead() + (j,), val(v)), (f32(w) * v).sum()))(
+            b.dynamic_slice(st(i), wsz)
+        )
     )
     B["read_dus"] = lambda b, i, j, v: (
         lambda r: (
