@@ -105,7 +105,8 @@ def test_no_per_iteration_copies_without_index_checks(name, mode):
     assert copies == [], "\n".join(map(str, copies))
 
 
-@pytest.mark.parametrize("mode", corpus.MODES)
+# (Not "forward": `jvp` returns the loss too.)
+@pytest.mark.parametrize("mode", [m for m in corpus.MODES if m != "forward"])
 def test_matches_plain_autodiff(name, mode):
     ours = _outputs(name, mode, corpus.ESB, jnp.float64)
     _assert_close(ours, _plain_autodiff(name, mode))

@@ -115,7 +115,8 @@ def test_grad_under_jit_matches_plain_autodiff(op):
         np.testing.assert_allclose(p, q, rtol=RTOL)
 
 
-@pytest.mark.parametrize("shape,axis", LAYOUTS[:3])
+# Lines, and one line (a ring; the 1-D buffer is one too).
+@pytest.mark.parametrize("shape,axis", LAYOUTS[1:3])
 @pytest.mark.parametrize("op", OPS)
 def test_check_grads_order_2(op, shape, axis):
     vshape, f, _ = _ops_for(shape, axis)[op]

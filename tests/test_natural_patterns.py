@@ -124,7 +124,6 @@ def test_no_per_iteration_copies(row, mode):
         "whole_array",
         "delay_whole",
         "delay_taps",
-        "taps_unroll2",
         "ring_taps",
         "front_stack",
         "queue",
