@@ -665,7 +665,7 @@ _UNMOVABLE = frozenset(
 # edit of the storage in the same block did not wait for it, and XLA copied the
 # buffer (a window then an insert under `vmap`: 2 copies per step). The read's
 # lowering leaves a dead `tuple` of the storage and its token, marked, for the
-# edit's lowering to find (`read_waits`); XLA removes it.
+# edit's lowering to find (`after_marked_reads`); XLA removes it.
 _READ_WAIT = "esb.read_wait"
 
 
