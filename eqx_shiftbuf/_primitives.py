@@ -1583,16 +1583,12 @@ def _unmerged(b: jax.Array, like: jax.Array, nlead: int) -> jax.Array:
     dropped buffer's cotangent, under `vmap(grad)` or `grad(vmap)`; one in each
     step of an unrolled scan) each got a copy of it, every step.
 
-    The condition is per batch element (`x > inf` on an element of each: false for
-    every value), so that a batch sharded over devices is not sliced across them;
-    selected as bits (`carrier`), so exact."""
+    The condition is per batch element (`opaque_zero`), so that a batch sharded
+    over devices is not sliced across them; selected as bits (`carrier`), so
+    exact."""
     dtype, b = b.dtype, to_carrier(b)
-    lead = like.shape[:nlead]
-    first = like.reshape(lead + (-1,))[..., 0]
-    if jnp.issubdtype(first.dtype, jnp.complexfloating):
-        first = jnp.real(first)
-    zero = (lax.convert_element_type(first, jnp.float32) > jnp.inf).astype(jnp.int32)
-    zero = zero.reshape(lead + (1,) * (b.ndim - nlead))
+    zero = opaque_zero(like, nlead)
+    zero = zero.reshape(zero.shape + (1,) * (b.ndim - nlead))
     other = jnp.broadcast_to((zero + 1).astype(b.dtype), b.shape)
     return from_carrier(jnp.where(zero == 0, b, other), dtype)
 

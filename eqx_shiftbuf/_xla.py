@@ -50,8 +50,11 @@ from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir, partial_eval as pe
 
 
-def opaque_zero(x: Any) -> jax.Array:
-    """An int32 zero computed from `x` that XLA cannot constant-fold.
+def opaque_zero(x: Any, nlead: int = 0) -> jax.Array:
+    """An int32 zero computed from `x` that XLA cannot constant-fold; with `nlead`,
+    one for each index of `x`'s first `nlead` dimensions (shape `x.shape[:nlead]`),
+    each computed from an element of its own (so that a batch sharded over devices
+    along them is not sliced across the devices).
 
     `x > inf` is false for every float, NaN included, so this is zero at run time
     whatever the data; XLA does not reason about it, so it stays a run-time value.
@@ -62,7 +65,11 @@ def opaque_zero(x: Any) -> jax.Array:
     (zero for every value) and `tests/test_corpus.py::test_no_per_iteration_copies`.
     """
     x = jnp.asarray(x)
-    first = x.reshape(-1)[0] if x.size > 0 else jnp.zeros((), jnp.float32)
+    lead = x.shape[:nlead]
+    if x.size > 0:
+        first = x.reshape(lead + (-1,))[..., 0]
+    else:
+        first = jnp.zeros(lead, jnp.float32)
     if jnp.issubdtype(first.dtype, jnp.complexfloating):
         first = jnp.real(first)
     first = lax.convert_element_type(first, jnp.float32)

@@ -10,7 +10,7 @@ from jax import lax
 
 import eqx_shiftbuf as esb
 
-from . import reference as ref
+from . import natural, reference as ref
 
 
 B, SHAPE = 3, (4, 6)
@@ -147,7 +147,7 @@ def _two_windows_loss(unroll: int, plain: bool = False):
         b, ys = lax.scan(step, b, xs, unroll=unroll)
         return ((b if plain else b.array) ** 2).sum() + ys.sum()
 
-    return jax.vmap(jax.grad(loss, argnums=(0, 1)), in_axes=(None, None, 0))
+    return natural.program("vmap(grad)", loss)
 
 
 def _two_windows_args():
@@ -203,25 +203,6 @@ def _window_then_insert_loss(unroll: int, dtype=jnp.float32, plain: bool = False
     return loss
 
 
-def _under(mode, loss):
-    both = (0, 1)
-    if mode == "fwd":
-        return loss
-    if mode == "grad":
-        return jax.grad(loss, argnums=both)
-    if mode == "jvp":
-        return lambda s, a, xs: jax.jvp(lambda s, a: loss(s, a, xs), (s, a), (s, a))
-    vl = jax.vmap(loss, in_axes=(None, None, 0))
-    if mode == "vmap":
-        return vl
-    if mode == "vmap(grad)":
-        return jax.vmap(jax.grad(loss, argnums=both), in_axes=(None, None, 0))
-    if mode == "jvp(vmap)":
-        return lambda s, a, xs: jax.jvp(lambda s, a: vl(s, a, xs), (s, a), (s, a))
-    assert mode == "grad(vmap)"
-    return jax.grad(lambda s, a, xs: vl(s, a, xs).sum(), argnums=both)
-
-
 _BATCHED_MODES = ["vmap", "vmap(grad)", "jvp(vmap)", "grad(vmap)"]
 
 
@@ -232,7 +213,7 @@ def test_a_window_then_an_insert_under_vmap_copy_nothing(mode):
     # the buffer, 2 copies per step (4 under jvp(vmap)). The read's lowering now
     # marks its token for the insert's lowering (`_xla.marked_read`).
     s, a, xs = _two_windows_args()
-    fn = _under(mode, _window_then_insert_loss(1))
+    fn = natural.program(mode, _window_then_insert_loss(1))
     copies = esb.find_loop_copies(fn, s, a, xs, min_bytes=a.nbytes // 2)
     assert copies == [], "\n".join(map(str, copies))
 
@@ -243,7 +224,7 @@ def test_a_window_then_an_insert_of_a_bfloat16_buffer_copy_nothing(mode):
     # step forward, 1 under grad, 2 under jvp, before the mark.
     s, a, xs = _two_windows_args()
     xs = jax.tree.map(lambda x: x[0], xs)  # one sequence
-    fn = _under(mode, _window_then_insert_loss(1, jnp.bfloat16))
+    fn = natural.program(mode, _window_then_insert_loss(1, jnp.bfloat16))
     copies = esb.find_loop_copies(fn, s, a, xs, min_bytes=a.nbytes // 4)
     assert copies == [], "\n".join(map(str, copies))
 
@@ -252,8 +233,10 @@ def test_a_window_then_an_insert_of_a_bfloat16_buffer_copy_nothing(mode):
 def test_a_window_then_an_insert_under_vmap_of_grad_match_plain_lax(dtype):
     args = _two_windows_args()
     mode = "vmap(grad)"
-    got = jax.jit(_under(mode, _window_then_insert_loss(1, dtype)))(*args)
-    want = jax.jit(_under(mode, _window_then_insert_loss(1, dtype, plain=True)))(*args)
+    got = jax.jit(natural.program(mode, _window_then_insert_loss(1, dtype)))(*args)
+    want = jax.jit(
+        natural.program(mode, _window_then_insert_loss(1, dtype, plain=True))
+    )(*args)
     for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
         np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5)
 
@@ -276,6 +259,6 @@ def test_windows_of_dropped_buffers_under_grad_of_vmap_copy_nothing():
     # trip: XLA merged their two zero broadcasts and copied one for each, 2
     # copies per step (`_primitives._unmerged`).
     s, a, xs = _two_windows_args()
-    fn = _under("grad(vmap)", _old_window_loss)
+    fn = natural.program("grad(vmap)", _old_window_loss)
     copies = esb.find_loop_copies(fn, s, a, xs, min_bytes=a.nbytes // 2)
     assert copies == [], "\n".join(map(str, copies))
