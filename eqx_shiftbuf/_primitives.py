@@ -91,6 +91,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 from jax._src import dispatch
+from jax._src.interpreters import partial_eval as pe
 from jax.core import ShapedArray
 from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
@@ -1552,6 +1553,38 @@ ad.primitive_transposes[accum_p] = _accum_transpose
 ad.primitive_transposes[swap_p] = _swap_transpose
 ad.primitive_transposes[insert_p] = _insert_transpose
 ad.primitive_transposes[pop_p] = _pop_transpose
+
+
+# ---------------------------------------------------------------------------
+# Under `jax.checkpoint`.
+
+
+def _edit_partial_eval_custom(saveable, unks_in, inst_in, eqn):
+    """Under `jax.checkpoint` (and a scan in one): an access whose operands are all
+    known runs in the forward pass only, and what the rematerialised pass needs of
+    its outputs (a window, a popped value, a token) is saved, never recomputed.
+
+    By default JAX reruns an access in the rematerialised pass, from its storage,
+    whatever `saveable` says of the outputs' types, so the storage from before the
+    step is saved: a buffer-sized residual per step of `lax.scan(jax.checkpoint(step))`,
+    and, because JAX's stacking of that residual reads the buffer unordered with
+    respect to the step's first edit, a copy of the buffer per step (1-2 per step
+    under `grad`, `copy_sweep.py --kind remat`). The accesses' tangents and
+    transposes need no storage (each is affine in it), so the rematerialised pass
+    needs only what the user's code computes from the outputs, O(window). The
+    storage output is saved only if code outside this library uses it there (a
+    whole-buffer read the user differentiates through, as it would be otherwise).
+    An access with an unknown operand (a tangent) is staged, as by default."""
+    del saveable
+    n = len(eqn.outvars)
+    if any(unks_in):
+        res = [v for v, i in zip(eqn.invars, inst_in, strict=True) if not i]
+        return None, eqn, [True] * n, [True] * n, res
+    return eqn, None, [False] * n, [False] * n, []
+
+
+for _p in (read_p, accum_p, swap_p, insert_p, pop_p):
+    pe.partial_eval_jaxpr_custom_rules[_p] = _edit_partial_eval_custom
 
 
 # ---------------------------------------------------------------------------

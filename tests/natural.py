@@ -255,6 +255,10 @@ def _unrolled2(f, init, xs):
     return lax.scan(f, init, xs, unroll=2)
 
 
+def _rematerialised(f, init, xs):
+    return lax.scan(jax.checkpoint(f), init, xs)
+
+
 # ---------------------------------------------------------------------------
 # Rows.
 
@@ -538,6 +542,18 @@ ROWS += (
         name="taps_unroll2",
         what="delay_taps under lax.scan(..., unroll=2): two steps a loop trip",
         scan=_unrolled2,
+    ),
+    dataclasses.replace(
+        ROWS_BY_NAME_0["traced"],
+        name="traced_remat",
+        what="the traced row's step under jax.checkpoint: lax.scan(jax.checkpoint(step))",
+        scan=_rematerialised,
+    ),
+    dataclasses.replace(
+        ROWS_BY_NAME_0["delay_taps"],
+        name="taps_remat",
+        what="delay_taps under lax.scan(jax.checkpoint(step))",
+        scan=_rematerialised,
     ),
 )
 ROWS_BY_NAME = {r.name: r for r in ROWS}

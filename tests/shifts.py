@@ -34,11 +34,11 @@ def _edits(kind, ops, b, lead, i, j, val):
     return b, 0.0
 
 
-def loss(kind, shape, axis, ops=natural.ESB, rows=False):
+def loss(kind, shape, axis, ops=natural.ESB, rows=False, scan=lax.scan):
     """The scan of a step `kind` on a buffer of `shape` shifted along `axis`, with
     the library's ops or plain `lax`'s (`natural.PLAIN`). The line is the first
     one (Python-int zeros before `axis`), or, with `rows`, the step's `lead` of
-    `args` (traced)."""
+    `args` (traced). `scan(step, init, xs)` runs it."""
 
     def loss(s, a, xs):
         def step(b, x):
@@ -48,7 +48,7 @@ def loss(kind, shape, axis, ops=natural.ESB, rows=False):
             b, y = _edits(kind, ops, b, lead, i, j, val)
             return b, y + v * s
 
-        b, ys = lax.scan(step, ops.wrap(a, axis), xs)
+        b, ys = scan(step, ops.wrap(a, axis), xs)
         return (ops.unwrap(b) ** 2).sum() + ys.sum()
 
     return loss

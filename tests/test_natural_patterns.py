@@ -81,6 +81,12 @@ IN_PLACE = [
     # end it; it is lowered for each call (`_xla.lowered_once_per_call`).
     ("taps_unroll2", "fwd"),
     ("taps_unroll2", "jvp"),
+    # Each step under `jax.checkpoint`: the accesses run in the forward pass only,
+    # their outputs saved, so the buffer is not saved per step (nor copied by
+    # JAX's stacking of it: `_primitives._edit_partial_eval_custom`).
+    ("traced_remat", "grad"),
+    ("traced_remat", "vmap(grad)"),
+    ("taps_remat", "grad"),
     ("front_stack", "grad"),
     ("front_stack", "jvp"),
     ("front_stack_b", "vmap(grad)"),
@@ -132,6 +138,8 @@ def test_no_per_iteration_copies(row, mode):
         "block_write",
         "lines_3d",
         "read_old",
+        "traced_remat",
+        "taps_remat",
     ],
 )
 def test_values_and_gradients_match_plain_lax(row):

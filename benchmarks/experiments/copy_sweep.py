@@ -14,6 +14,8 @@ along the shift axis (traced from the scan's inputs, or Python / NumPy ints) and
     python benchmarks/experiments/copy_sweep.py --kind esb           # under checkpointed esb.scan
     python benchmarks/experiments/copy_sweep.py --kind fori          # a lax.fori_loop
     python benchmarks/experiments/copy_sweep.py --unroll 2           # two steps a loop trip
+    python benchmarks/experiments/copy_sweep.py --kind remat         # lax.scan(jax.checkpoint(step))
+    python benchmarks/experiments/copy_sweep.py --kind nested        # a scan of scans
     python benchmarks/experiments/copy_sweep.py --shapes last3 --bodies ins_del --detail
 
 All shapes with traced int32 take about 5 minutes on the project's 2-core CPU.
@@ -34,6 +36,13 @@ under vmap(grad) and grad(vmap) on every shape (2 a step); the new body `win_ins
 shape (2, 2, 4, 2), and in bfloat16 forward too (1, 1, 2). After that day's
 fixes: 0 on all of them but `ds` under grad(vmap) with `--unroll 2` (2: README,
 known limits).
+2026-12-06, later: `--kind remat` (each step under `jax.checkpoint`; `flat, ring,
+three, mid3, lead, two`, `traced32,pyint`) copied under grad, vmap(grad) and
+grad(vmap) on every body that reads (1-2 a step: JAX saved the buffer before each
+step to rerun the step's accesses, and its stacking read the buffer unordered with
+respect to the step's first edit). After `_primitives._edit_partial_eval_custom`:
+0 on the default sweep with `--styles traced32,pyint`. `--kind nested` (a scan of
+three scans, the same shapes and styles): 0 everywhere, before and after.
 """
 
 import argparse
@@ -150,6 +159,24 @@ def scanner(kind, unroll=1):
         return functools.partial(lax.scan, unroll=unroll)
     if kind == "esb":
         return lambda f, c, xs: esb.scan(f, c, xs, kind="checkpointed", unroll=unroll)
+    if kind == "remat":  # each step rematerialised in the gradient
+        return lambda f, c, xs: lax.scan(jax.checkpoint(f), c, xs, unroll=unroll)
+    if kind == "outer_remat":  # the whole scan under jax.checkpoint
+        return lambda f, c, xs: jax.checkpoint(
+            lambda c, xs: lax.scan(f, c, xs, unroll=unroll)
+        )(c, xs)
+    if kind == "reverse":
+        return functools.partial(lax.scan, unroll=unroll, reverse=True)
+    if kind == "nested":  # a scan of scans, as for chunked sequences
+
+        def ns(f, c, xs):
+            L = jax.tree.leaves(xs)[0].shape[0]
+            chunks = jax.tree.map(lambda a: a.reshape((3, L // 3) + a.shape[1:]), xs)
+            inner = lambda c, x: lax.scan(f, c, x, unroll=unroll)
+            c, ys = lax.scan(inner, c, chunks)
+            return c, ys.reshape((L,) + ys.shape[2:])
+
+        return ns
     if kind == "fori":
 
         def fs(f, c, xs):
