@@ -16,6 +16,9 @@ along the shift axis (traced from the scan's inputs, or Python / NumPy ints) and
     python benchmarks/experiments/copy_sweep.py --unroll 2           # two steps a loop trip
     python benchmarks/experiments/copy_sweep.py --kind remat         # lax.scan(jax.checkpoint(step))
     python benchmarks/experiments/copy_sweep.py --kind nested        # a scan of scans
+    python benchmarks/experiments/copy_sweep.py --kind outer_remat   # jax.checkpoint(scan)
+    python benchmarks/experiments/copy_sweep.py --kind reverse       # lax.scan(reverse=True)
+    python benchmarks/experiments/copy_sweep.py --kind while --modes fwd,jvp,vmap,"jvp(vmap)"
     python benchmarks/experiments/copy_sweep.py --shapes last3 --bodies ins_del --detail
 
 All shapes with traced int32 take about 5 minutes on the project's 2-core CPU.
@@ -42,7 +45,10 @@ grad(vmap) on every body that reads (1-2 a step: JAX saved the buffer before eac
 step to rerun the step's accesses, and its stacking read the buffer unordered with
 respect to the step's first edit). After `_primitives._edit_partial_eval_custom`:
 0 on the default sweep with `--styles traced32,pyint`. `--kind nested` (a scan of
-three scans, the same shapes and styles): 0 everywhere, before and after.
+three scans, the same shapes and styles): 0 everywhere, before and after. After:
+`--kind reverse` and `--kind outer_remat` (`flat, ring, three, mid3, lead, four`,
+`traced32,pyint`) and `--kind while` (a `lax.while_loop`, the default shapes,
+`traced32,pyint`, its four modes): 0 everywhere.
 """
 
 import argparse
@@ -177,6 +183,21 @@ def scanner(kind, unroll=1):
             return c, ys.reshape((L,) + ys.shape[2:])
 
         return ns
+    if kind == "while":  # a while_loop (a decode loop): no reverse mode
+
+        def ws(f, c, xs):
+            L = jax.tree.leaves(xs)[0].shape[0]
+
+            def body(cy):
+                t, c, acc = cy
+                c, y = f(c, jax.tree.map(lambda a: a[t], xs))
+                return t + 1, c, acc + y
+
+            acc = jnp.zeros((), jnp.result_type(float))
+            _, c, acc = lax.while_loop(lambda cy: cy[0] < L, body, (0, c, acc))
+            return c, acc
+
+        return ws
     if kind == "fori":
 
         def fs(f, c, xs):
