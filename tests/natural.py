@@ -272,7 +272,8 @@ class Row:
     axis: int
     rows: int  # range of "r"
     cols: int  # range of "c"
-    scan: Callable = lax.scan  # the library's scan (plain `lax` always uses lax.scan)
+    scan: Callable = lax.scan  # the library's scan
+    plain_scan: Callable = lax.scan  # plain `lax`'s (`esb.scan` takes no plain array)
     batch_init: bool = False  # vmap modes: a batch of initial buffers, not one
 
 
@@ -548,12 +549,14 @@ ROWS += (
         name="traced_remat",
         what="the traced row's step under jax.checkpoint: lax.scan(jax.checkpoint(step))",
         scan=_rematerialised,
+        plain_scan=_rematerialised,
     ),
     dataclasses.replace(
         ROWS_BY_NAME_0["delay_taps"],
         name="taps_remat",
         what="delay_taps under lax.scan(jax.checkpoint(step))",
         scan=_rematerialised,
+        plain_scan=_rematerialised,
     ),
 )
 ROWS_BY_NAME = {r.name: r for r in ROWS}
@@ -582,7 +585,7 @@ def batched(xs, seed: int = 1):
 
 def make_loss(row: Row, ops) -> Callable:
     body = corpus.Body(row.name, row.step, axis=row.axis)
-    scan = lax.scan if ops is PLAIN else row.scan
+    scan = row.plain_scan if ops is PLAIN else row.scan
     return corpus.make_loss(body, ops, scan=scan)
 
 
