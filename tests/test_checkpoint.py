@@ -34,8 +34,9 @@ SHAPES = [((4096,), 0), ((3, 2000), 1)]
 KINDS = ["insert_pop", "pop_insert"]
 
 
-@pytest.mark.parametrize("kind", KINDS)
-@pytest.mark.parametrize("shape, axis", SHAPES, ids=str)
+@pytest.mark.parametrize(
+    "shape, axis, kind", [(*SHAPES[0], KINDS[0]), (*SHAPES[1], KINDS[1])], ids=str
+)
 def test_a_checkpointed_step_copies_nothing(shape, axis, kind):
     s, a, xs = shifts.args(shape, axis)
     # With respect to the parameter too: the popped value's use needs it.

@@ -139,7 +139,6 @@ def test_no_per_iteration_copies(row, mode):
         "lines_3d",
         "read_old",
         "traced_remat",
-        "taps_remat",
     ],
 )
 def test_values_and_gradients_match_plain_lax(row):
