@@ -19,6 +19,7 @@ along the shift axis (traced from the scan's inputs, or Python / NumPy ints) and
     python benchmarks/experiments/copy_sweep.py --kind outer_remat   # jax.checkpoint(scan)
     python benchmarks/experiments/copy_sweep.py --kind reverse       # lax.scan(reverse=True)
     python benchmarks/experiments/copy_sweep.py --kind while --modes fwd,jvp,vmap,"jvp(vmap)"
+    python benchmarks/experiments/copy_sweep.py --kind eqxi --modes fwd,grad,vmap,"vmap(grad)"
     python benchmarks/experiments/copy_sweep.py --shapes last3 --bodies ins_del --detail
 
 All shapes with traced int32 take about 5 minutes on the project's 2-core CPU.
@@ -48,7 +49,12 @@ respect to the step's first edit). After `_primitives._edit_partial_eval_custom`
 three scans, the same shapes and styles): 0 everywhere, before and after. After:
 `--kind reverse` and `--kind outer_remat` (`flat, ring, three, mid3, lead, four`,
 `traced32,pyint`) and `--kind while` (a `lax.while_loop`, the default shapes,
-`traced32,pyint`, its four modes): 0 everywhere.
+`traced32,pyint`, its four modes): 0 everywhere. `--kind eqxi` (Equinox's
+checkpointed scan, the `ShiftBuffer` an ordinary carry; `flat, three, ring`): 1-2
+a step under grad, 2 under vmap(grad) and grad(vmap), on every body but `ds`, as
+for plain arrays there (an insert then a pop on a (4096,) line: 1 and 2 under
+`grad`, 3 and 3 with `checkpoints="all"`; `esb.scan`: 0 and 2). The answer is
+`esb.scan` (docs/migrating.md).
 """
 
 import argparse
@@ -171,6 +177,10 @@ def scanner(kind, unroll=1):
         return lambda f, c, xs: jax.checkpoint(
             lambda c, xs: lax.scan(f, c, xs, unroll=unroll)
         )(c, xs)
+    if kind == "eqxi":  # Equinox's checkpointed scan, the buffer a plain carry
+        import equinox.internal as eqxi
+
+        return lambda f, c, xs: eqxi.scan(f, c, xs, kind="checkpointed")
     if kind == "reverse":
         return functools.partial(lax.scan, unroll=unroll, reverse=True)
     if kind == "nested":  # a scan of scans, as for chunked sequences
