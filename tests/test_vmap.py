@@ -128,9 +128,9 @@ def test_vmap_inside_scan_of_shiftbuffers():
         np.testing.assert_allclose(p, q, rtol=1e-12)
 
 
-def _two_windows_loss(unroll: int, plain: bool = False):
+def _two_windows_loss(unroll: int, plain: bool = False, mode: str = "vmap(grad)"):
     """A step that reads two windows with `dynamic_slice` (the buffer dropped:
-    each read's cotangent accumulates onto zeros), in a scan."""
+    each read's cotangent accumulates onto zeros), in a scan, under `mode`."""
 
     def loss(s, a, xs):
         def step(b, x):
@@ -147,7 +147,7 @@ def _two_windows_loss(unroll: int, plain: bool = False):
         b, ys = lax.scan(step, b, xs, unroll=unroll)
         return ((b if plain else b.array) ** 2).sum() + ys.sum()
 
-    return natural.program("vmap(grad)", loss)
+    return natural.program(mode, loss)
 
 
 def _two_windows_args():
@@ -159,21 +159,24 @@ def _two_windows_args():
 
 
 @pytest.mark.parametrize("unroll", [1, 2])
-def test_two_window_reads_under_vmap_of_grad_copy_nothing(unroll):
-    # Under `vmap(grad)` each window's cotangent is accumulated, batched, onto a
-    # broadcast of the dropped buffer's zero cotangent; XLA merged the two equal
-    # broadcasts and copied one for each accumulation: 2 copies per step (4 with
-    # `unroll=2`; `_primitives._unmerged`).
+@pytest.mark.parametrize("mode", ["vmap(grad)", "grad(vmap)"])
+def test_two_window_reads_under_vmap_and_grad_copy_nothing(mode, unroll):
+    # Each window's cotangent is accumulated onto a broadcast of the dropped
+    # buffer's zero cotangent: batched under `vmap(grad)`, onto one buffer at
+    # batched starts under `grad(vmap)` (the buffer is one for the batch). XLA
+    # merged the two equal broadcasts and copied one for each accumulation: 2
+    # copies per step (4 with `unroll=2` under `vmap(grad)`; `_primitives._unmerged`).
     s, a, xs = _two_windows_args()
-    fn = _two_windows_loss(unroll)
+    fn = _two_windows_loss(unroll, mode=mode)
     copies = esb.find_loop_copies(fn, s, a, xs, min_bytes=a.nbytes // 2)
     assert copies == [], "\n".join(map(str, copies))
 
 
-def test_two_window_reads_under_vmap_of_grad_match_plain_lax():
+@pytest.mark.parametrize("mode", ["vmap(grad)", "grad(vmap)"])
+def test_two_window_reads_under_vmap_and_grad_match_plain_lax(mode):
     args = _two_windows_args()
-    got = jax.jit(_two_windows_loss(2))(*args)
-    want = jax.jit(_two_windows_loss(1, plain=True))(*args)
+    got = jax.jit(_two_windows_loss(2, mode=mode))(*args)
+    want = jax.jit(_two_windows_loss(1, plain=True, mode=mode))(*args)
     for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
         np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5)
 

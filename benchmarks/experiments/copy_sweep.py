@@ -54,7 +54,10 @@ checkpointed scan, the `ShiftBuffer` an ordinary carry; `flat, three, ring`): 1-
 a step under grad, 2 under vmap(grad) and grad(vmap), on every body but `ds`, as
 for plain arrays there (an insert then a pop on a (4096,) line: 1 and 2 under
 `grad`, 3 and 3 with `checkpoints="all"`; `esb.scan`: 0 and 2). The answer is
-`esb.scan` (docs/migrating.md).
+`esb.scan` (docs/migrating.md). `--unroll 2 --bodies ds,ds_ins,win_ins --modes
+grad,"vmap(grad)","grad(vmap)"` (13 shapes): 0 everywhere, after the windows of
+one buffer at batched starts got zeros of their own under grad(vmap)
+(`_primitives._read_transpose`; `ds` copied 2 a step there before).
 """
 
 import argparse
