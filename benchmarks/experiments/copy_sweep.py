@@ -58,6 +58,13 @@ for plain arrays there (an insert then a pop on a (4096,) line: 1 and 2 under
 grad,"vmap(grad)","grad(vmap)"` (13 shapes): 0 everywhere, after the windows of
 one buffer at batched starts got zeros of their own under grad(vmap)
 (`_primitives._read_transpose`; `ds` copied 2 a step there before).
+`--dtype int32 --modes fwd,vmap` (`flat, ring, three, mid3, lead, four`,
+`traced32,pyint`): 0. `--dtype complex64` (`flat, three, ring`, traced32): the
+one-line shapes copied 1, 2, 2 a step (fwd, grad, jvp) on every body that shifts
+(the roll of a complex line was not materialised); after `_primitives._rolled`
+materialised each part: 0 with traced32 and on `flat` with pyint; `ring` with
+pyint still copies the moved window (c64[1,512,32], half the buffer) in the
+complex read's loop, 1-2 a step on six bodies (README, known limits).
 """
 
 import argparse
