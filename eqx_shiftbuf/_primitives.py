@@ -633,8 +633,8 @@ def _positions(line, col, head, ax: int = 0):
 
 def _rolled(line, shift: int, ax: int | None):
     """`jnp.roll(line, shift)` along axis 0, or, where `line` is the whole buffer,
-    along its axis `ax`, materialised (`rolled_by_reduce`) for the dtypes it reads
-    exactly."""
+    along its axis `ax`, materialised (`rolled_by_reduce`; a complex line part by
+    part)."""
     if ax is None:
         return jnp.roll(line, shift, 0)
     if jnp.issubdtype(line.dtype, jnp.complexfloating):
