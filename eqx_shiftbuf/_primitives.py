@@ -1491,9 +1491,8 @@ def _read_transpose(cts, storage, tok, *starts, sizes, nbatch, wrap=None, ring=N
         # inputs only), whose buffer was dropped: accumulated onto zeros of their
         # own, as above, with one condition for the batch (a reduction over it, so
         # that a batch sharded over devices is not sliced).
-        lead = _aval(ct_w).ndim - len(sizes)
-        first = to_carrier(ct_w).reshape(ct_w.shape[:lead] + (-1,))[..., 0]
-        ct_s = _unmerged(_zeros_like_aval(_aval(storage)), jnp.max(first), 0)
+        zero = jnp.max(opaque_zero(ct_w, _aval(ct_w).ndim - len(sizes)))
+        ct_s = _unmerged(_zeros_like_aval(_aval(storage)), zero, 0)
     ct_s = _ct_or_zeros(ct_s, _aval(storage))
     t = _ct_or_zeros(ct_t, _aval(tok))
     if type(ct_w) is not ad.Zero:

@@ -24,10 +24,6 @@ import eqx_shiftbuf as esb
 from . import natural, shifts
 
 
-def _remat(step, init, xs):
-    return lax.scan(jax.checkpoint(step), init, xs)
-
-
 # (shape, axis): a ring of one line, a buffer of three lines.
 SHAPES = [((4096,), 0), ((3, 2000), 1)]
 # Steps whose popped value the loss uses non-linearly: the backward pass needs it.
@@ -40,7 +36,9 @@ KINDS = ["insert_pop", "pop_insert"]
 def test_a_checkpointed_step_copies_nothing(shape, axis, kind):
     s, a, xs = shifts.args(shape, axis)
     # With respect to the parameter too: the popped value's use needs it.
-    fn = jax.grad(shifts.loss(kind, shape, axis, scan=_remat), argnums=(0, 1))
+    fn = jax.grad(
+        shifts.loss(kind, shape, axis, scan=natural._rematerialised), argnums=(0, 1)
+    )
     copies = esb.find_loop_copies(fn, s, a, xs, min_bytes=a.nbytes // 2)
     assert copies == [], "\n".join(map(str, copies))
 
@@ -61,7 +59,7 @@ def test_a_checkpointed_step_saves_no_buffer(kind, policy):
     shape, axis = SHAPES[1]
     s, a, xs = shifts.args(shape, axis)
 
-    def remat(step, init, xs):
+    def remat(step, init, xs):  # `natural._rematerialised`, with the policy
         return lax.scan(jax.checkpoint(step, policy=POLICIES[policy]), init, xs)
 
     loss = shifts.loss(kind, shape, axis, scan=remat)
@@ -78,7 +76,9 @@ def test_a_checkpointed_step_saves_no_buffer(kind, policy):
 
     assert per_step_buffers(loss) == []
     # The same step in plain `lax` saves the buffer of every step: the test sees it.
-    assert per_step_buffers(shifts.loss(kind, shape, axis, natural.PLAIN, scan=_remat))
+    assert per_step_buffers(
+        shifts.loss(kind, shape, axis, natural.PLAIN, scan=natural._rematerialised)
+    )
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -88,7 +88,9 @@ def test_a_checkpointed_step_has_the_gradient_of_plain_lax(kind):
     a = a * np.linspace(0.5, 1.5, a.size, dtype=np.float32).reshape(shape)
     for mode in ("grad", "jvp"):
         got = jax.jit(
-            natural.program(mode, shifts.loss(kind, shape, axis, scan=_remat))
+            natural.program(
+                mode, shifts.loss(kind, shape, axis, scan=natural._rematerialised)
+            )
         )
         want = jax.jit(
             natural.program(mode, shifts.loss(kind, shape, axis, natural.PLAIN))
