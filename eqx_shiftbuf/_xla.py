@@ -293,19 +293,28 @@ def fold_cotangent_sum(ctx, storage: ir.Value, accum: Callable) -> None:
     """If `storage` is JAX's sum of a buffer `rest` and an accumulation of a window
     onto zeros (`marked_onto_zeros`), rewrite the sum, in place, into
     `accum(rest, tok, window, *starts) -> (storage, tok)` plus zeros, which XLA
-    simplifies away. The sum's value, which JAX holds, keeps its meaning."""
+    simplifies away. The sum's value, which JAX holds, keeps its meaning.
+
+    Under `vmap(grad)` the accumulation may be unbatched where `rest` is a batch
+    (a whole-buffer read whose cotangent is the same for every element, as for
+    `buf.array.sum()`): JAX's batched add broadcasts it over the batch first. The
+    broadcast window is then accumulated at the start of every batch dimension.
+    Left as a broadcast add, XLA fused it into the next access's reads of the
+    cotangent and wrote it out of place: a copy per step."""
     add = _operation(storage.owner)
     block = ir.InsertionPoint.current.block  # pyright: ignore[reportAttributeAccessIssue]
     if add is None or add.name != "stablehlo.add" or add.block != block:
         return
     for k in (0, 1):
-        marked = _operation(add.operands[k].owner)
+        marked, lead = _operation(add.operands[k].owner), 0
         rest = add.operands[1 - k]
+        if marked is not None and marked.name == "stablehlo.broadcast_in_dim":
+            marked, lead = _unbroadcast(marked, rest)
         if (
             marked is None
             or _ONTO_ZEROS_RESULT not in marked.attributes
             or marked.block != block
-            or rest.type != storage.type
+            or (lead == 0 and rest.type != storage.type)
         ):
             continue
         window_op, starts_op = _accumulation_marks(marked)
@@ -314,14 +323,16 @@ def fold_cotangent_sum(ctx, storage: ir.Value, accum: Callable) -> None:
         window = window_op.operands[0]
         starts = list(starts_op.operands)
         tok_aval = ShapedArray((), jnp.float32)
-        avals_in = [_aval_of(rest), tok_aval, _aval_of(window)] + [
-            _aval_of(i) for i in starts
-        ]
-        sub = ctx.replace(
-            primitive=None, avals_in=avals_in, avals_out=[avals_in[0], tok_aval]
-        )
-        fn = functools.partial(accum, scalars=computed_from_scalars(window))
         with ir.InsertionPoint(add):
+            if lead:
+                window, starts = _broadcast_window(window, starts, rest, lead)
+            avals_in = [_aval_of(rest), tok_aval, _aval_of(window)] + [
+                _aval_of(i) for i in starts
+            ]
+            sub = ctx.replace(
+                primitive=None, avals_in=avals_in, avals_out=[avals_in[0], tok_aval]
+            )
+            fn = functools.partial(accum, scalars=computed_from_scalars(window))
             tok = mlir.ir_constant(jnp.float32(0))
             new, _ = mlir.lower_fun(fn, multiple_results=True)(
                 sub, rest, tok, window, *starts
@@ -333,6 +344,46 @@ def fold_cotangent_sum(ctx, storage: ir.Value, accum: Callable) -> None:
         add.operands[1 - k] = new
         add.operands[k] = zeros
         return
+
+
+def _unbroadcast(op: ir.Operation, rest: ir.Value) -> tuple:
+    """`(operation, lead)`: the operation of the value `op` broadcasts, and the
+    number of leading dimensions the broadcast adds, if `op` broadcasts a value of
+    `rest`'s shape without its `lead` leading dimensions over those (as JAX's
+    batched add broadcasts an unbatched operand); else `(None, 0)`."""
+    inner = op.operands[0]
+    out_t, in_t = ir.RankedTensorType(rest.type), ir.RankedTensorType(inner.type)
+    lead = out_t.rank - in_t.rank
+    dims = list(ir.DenseI64ArrayAttr(op.attributes["broadcast_dimensions"]))
+    if (
+        lead <= 0
+        or ir.RankedTensorType(op.result.type) != out_t
+        or dims != list(range(lead, out_t.rank))
+        or list(in_t.shape) != list(out_t.shape)[lead:]
+    ):
+        return None, 0
+    return _operation(inner.owner), lead
+
+
+def _broadcast_window(window: ir.Value, starts: list, rest: ir.Value, lead: int):
+    """`(window, starts)` of an accumulation broadcast over the `lead` leading
+    dimensions of `rest`: the window broadcast over them, starting at 0 in each."""
+    w_t = ir.RankedTensorType(window.type)
+    shape = list(ir.RankedTensorType(rest.type).shape)[:lead] + list(w_t.shape)
+    w = hlo.BroadcastInDimOp(
+        ir.RankedTensorType.get(shape, w_t.element_type),
+        window,
+        mlir.dense_int_array(list(range(lead, lead + w_t.rank))),
+    ).result
+    zero = hlo.ConstantOp(
+        ir.DenseElementsAttr.get_splat(
+            ir.RankedTensorType.get(
+                [], ir.RankedTensorType(starts[0].type).element_type
+            ),
+            ir.IntegerAttr.get(ir.RankedTensorType(starts[0].type).element_type, 0),
+        )
+    ).result
+    return w, [zero] * lead + list(starts)
 
 
 # Operations XLA fuses into their consumers, computing each element where it is

@@ -140,6 +140,20 @@ def _whole_ds(how):
     return step
 
 
+def _array_slice(ops, b, x, p):
+    """An insert, then a static slice of `buf.array` (the contents, not `read`)."""
+    b = ops.insert(b, (x["r"][0], x["c"][0]), jnp.sin(p["s"] * x["v"]))
+    return b, (b.array[:8, :16] * p["s"]).sum()
+
+
+def _delay_array(ops, b, x, p):
+    """A delay line's `insert(0, x)`, then its newest frames as `buf.array[:4]`,
+    used linearly: under `vmap`, their cotangent is the same for every element."""
+    k, d = ops.shape(b)
+    b = ops.insert(b, 0, _frame(p, x, d))
+    return b, (b.array[:4] * p["s"]).sum()
+
+
 def _read_old(ops, b, x, p):
     """An insert, then a window of the buffer from *before* it (the `b` the insert
     was given), read after it in the program: `return b.insert(...), f(b...)`."""
@@ -408,6 +422,24 @@ ROWS = (
         1,
         512,
         64,
+    ),
+    Row(
+        "array_slice",
+        "(100, 500): traced insert, then a static slice of .array, [:8, :16]",
+        _array_slice,
+        (100, 500),
+        1,
+        100,
+        500,
+    ),
+    Row(
+        "delay_array",
+        "delay line (1024, 32) axis=0, insert(0, x), then .array[:4]",
+        _delay_array,
+        (1024, 32),
+        0,
+        1,
+        1024,
     ),
     Row(
         "read_old",

@@ -66,6 +66,12 @@ IN_PLACE = [
     ("whole_read", "grad"),
     ("whole_array", "grad"),
     ("whole_array", "vmap(grad)"),
+    # `.array` after the step's edits: read through `read_p`, its cotangent
+    # accumulated in place, and under `vmap(grad)` an unbatched accumulation
+    # broadcast over the batch folded in too (`_xla.fold_cotangent_sum`).
+    ("array_slice", "grad"),
+    ("array_slice", "vmap(grad)"),
+    ("delay_array", "vmap(grad)"),
     ("stack", "jvp(vmap)"),
     ("stack_scan", "grad"),
     ("select_stack", "grad"),
@@ -128,6 +134,8 @@ def test_no_per_iteration_copies(row, mode):
         "two_lines",
         "whole_ds",
         "whole_array",
+        "array_slice",
+        "delay_array",
         "delay_whole",
         "delay_taps",
         "ring_taps",
@@ -148,3 +156,4 @@ def test_values_and_gradients_match_plain_lax(row):
         got, want = fn(*args), ref(*ref_args)
         for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
             np.testing.assert_allclose(g, w, rtol=2e-5, atol=1e-5)
+
