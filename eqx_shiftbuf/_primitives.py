@@ -128,6 +128,7 @@ from ._xla import (
     to_carrier,
     tokens_per_element,
     tokens_reduced_locally,
+    unpadded_window,
     varying_axes_of_aval,
     wait_at_hooks,
     widened_write,
@@ -1069,6 +1070,8 @@ def _define(name: str, impl: Callable, abstract: Callable, n_arrays: int) -> Pri
             lowered_once_per_call(ctx)
             window, tok = deferred_read(storage, tok, starts, sizes, ring, gather)
             return [storage, window, tok]
+        if name == "esb_accum" and params.get("ring") is None:
+            ctx, args = unpadded_window(ctx, args, params["nbatch"])
         onto_zeros = False
         if not many:
             fold_cotangent_sum(ctx, args[0], _accum_unordered)

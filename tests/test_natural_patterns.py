@@ -157,3 +157,16 @@ def test_values_and_gradients_match_plain_lax(row):
         for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
             np.testing.assert_allclose(g, w, rtol=2e-5, atol=1e-5)
 
+
+@pytest.mark.parametrize("mode", ["grad", "vmap(grad)"])
+def test_a_static_slice_of_array_is_not_padded_to_the_buffer_in_the_gradient(mode):
+    """`buf.array[:8, :16]`'s cotangent is accumulated as the slice's, not padded
+    with zeros to the whole buffer and added every step (`_xla.unpadded_window`)."""
+    row = natural.ROWS_BY_NAME["array_slice"]
+    fn, args = _program("array_slice", mode, natural.ESB)
+    hlo = fn.lower(*args).compile().as_text()
+    shape = ",".join(map(str, row.shape))
+    padded = [
+        line for line in hlo.splitlines() if f"[{shape}]" in line and " pad(" in line
+    ]
+    assert padded == [], padded
