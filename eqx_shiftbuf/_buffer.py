@@ -215,8 +215,11 @@ class ShiftBuffer(eqx.Module):
         """The contents, an array of shape `self.shape`.
 
         Raises (through `equinox.error_if`) if an earlier edit had a traced index out
-        of range. Inside a loop, prefer `buf, contents = buf.read()`: the buffer it
-        returns makes the next edit wait for the read, which `buf.array` cannot.
+        of range. Inside a loop, read `.array` after the step's edits (in place, in
+        every mode), or use `buf, contents = buf.read()`: the buffer it returns
+        makes an edit after the read wait for it, which `buf.array` cannot. Of a
+        buffer of one line (a ring), `.array` rotates the line, O(line): read a
+        window with `read` where only a window is needed.
         """
         storage = _ops.raise_deferred(self._storage, self._error, self.batch_shape)
         if self.batch_shape or self.ndim == 0:

@@ -231,8 +231,16 @@ def is_zeros(value: ir.Value) -> bool:
         return False
     try:
         attr = ir.DenseElementsAttr(op.attributes["value"])
-    except TypeError:  # complex constants: the bindings cannot read them
-        return False
+    except TypeError:  # complex constants: the bindings cannot read them, but
+        # print them, a splat as `dense<(re,im)>`
+        text = str(op).split("dense<", 1)[-1]
+        parts = text.removeprefix("(").split(")>")[0].split(",")
+        if not text.startswith("(") or len(parts) != 2:
+            return False
+        try:
+            return all(float(x) == 0.0 for x in parts)
+        except ValueError:
+            return False
     if not attr.is_splat:
         return False
     splat = attr.get_splat_value()

@@ -520,3 +520,27 @@ def test_a_whole_buffer_slice_of_any_dtype_has_plain_lax_gradients(dtype):
         np.testing.assert_allclose(
             np.asarray(x, np.complex128), np.asarray(y, np.complex128), rtol=1e-2
         )
+
+
+def test_a_static_slice_of_a_complex_buffer_s_array_copies_nothing_under_grad():
+    """A complex (16, 64, 32) buffer, a traced insert, then `.array[0:1, :16]`: the
+    slice's cotangent, padded with complex zeros, is accumulated unpadded
+    (`_xla.unpadded_window`, which reads the padding's complex zero)."""
+    shape = (16, 64, 32)
+
+    def loss(s, a, xs):
+        def step(b, x):
+            c, v = x
+            b = b.insert((0, c), jnp.full((32,), v * s, jnp.complex64))
+            return b, (lax.real(b.array[0:1, :16]) * v * s).sum()
+
+        b, ys = lax.scan(step, esb.ShiftBuffer(a, axis=1), xs)
+        return (lax.real(b.array) ** 2).sum() + ys.sum()
+
+    a = jnp.ones(shape, jnp.complex64)
+    xs = (jnp.arange(12, dtype=jnp.int32) * 37 % 64, jnp.linspace(0.1, 1, 12))
+    grad = jax.grad(loss, argnums=(0, 1))
+    copies = esb.find_loop_copies(
+        grad, jnp.float32(0.5), a, xs, min_bytes=a.nbytes // 2
+    )
+    assert copies == [], copies

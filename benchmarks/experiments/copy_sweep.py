@@ -158,6 +158,10 @@ def bodies(shape, axis, dtype):
             b.dynamic_slice(st(i), wsz)
         )
     )
+    head = tuple(slice(0, 1) for _ in range(axis)) + (slice(0, w),)
+    B["ins_arr"] = lambda b, i, j, v: (  # then a static slice of `.array`
+        lambda nb: (nb, (f32(nb.array[head]) * v).sum())
+    )(b.insert(lead() + (i,), val(v)))
     B["read_dus"] = lambda b, i, j, v: (
         lambda r: (
             r[0].dynamic_update_slice((jnp.cos(f32(r[1])) * v).astype(dtype), st(j)),
