@@ -65,6 +65,14 @@ one-line shapes copied 1, 2, 2 a step (fwd, grad, jvp) on every body that shifts
 materialised each part: 0 with traced32 and on `flat` with pyint; `ring` with
 pyint still copies the moved window (c64[1,512,32], half the buffer) in the
 complex read's loop, 1-2 a step on six bodies (README, known limits).
+Later on 2026-12-06: the body `ins_arr` (an insert, then a static slice of
+`.array`): 0 on the default sweep with `traced32,pyint`, and with `--kind esb`,
+`--kind remat` and `--dtype complex64` (`flat,three,ring,mid3,lead,four`), after
+`.array` read through `read_p` and its cotangent was folded and unpadded (before,
+in a probe of the same step on four shapes: 1 a step under `vmap(grad)`, and
+under `grad` on the two with several lines; complex64 `mid3`: 1 under `grad`). bfloat16 (1, 1, 2 forward, grad, jvp, with
+traced indices) and `--unroll 2` (2-4 a step) copy as before (README, known
+limits). `long,one3,mid4` with `traced32,pyint`: 0.
 """
 
 import argparse
