@@ -129,6 +129,7 @@ from ._xla import (
     tokens_per_element,
     tokens_reduced_locally,
     unpadded_window,
+    user_reads_before,
     varying_axes_of_aval,
     wait_at_hooks,
     widened_write,
@@ -980,6 +981,7 @@ def _after_deferred_reads(ctx, args):
     materialised (`materialise_deferred_reads`)."""
     storage, tok, *rest = args
     waits = materialise_deferred_reads(ctx, storage, _reduced_read, _read_token)
+    waits += user_reads_before(storage, ctx.module_context.module)
     tok = after_marked_reads(storage, tok, ctx.module_context.module)
     if not waits:
         return (storage, tok, *rest)

@@ -1190,6 +1190,66 @@ def materialise_deferred_reads(
     return waits
 
 
+# What a user's read of a whole buffer (`buf.array[:8].sum()`, whose array is the
+# storage itself) passes through before a result XLA writes out: an edit after it
+# waits for that result (`user_reads_before`).
+_THROUGH = _ELEMENTWISE | frozenset(
+    f"stablehlo.{n}" for n in ("slice", "broadcast_in_dim", "transpose", "convert")
+)
+
+
+def user_reads_before(storage: ir.Value, module) -> list:
+    """`(value, aval)` of the results of the plain reads of `storage` (a static
+    `slice` or a `reduce` of it, and what follows them elementwise, up to a
+    reduction), in the block being lowered, that an edit of `storage` must wait for.
+
+    `buf.array` is the storage itself: a slice of it then a sum, then an insert
+    (`y = buf.array[:2].sum(); buf = buf.insert(...)`) left XLA free to run the
+    sum after the insert, so it copied the buffer for it (2 copies per step
+    forward). The library's own accesses read through dynamic slices and marks,
+    and are waited for through their tokens."""
+    block = ir.InsertionPoint.current.block  # pyright: ignore[reportAttributeAccessIssue]
+    found: list = []
+
+    def frontier(v: ir.Value, depth: int) -> None:
+        for use in list(v.uses):
+            op = _operation(use.owner)
+            if (
+                op is None
+                or op.block != block
+                or any(m in op.attributes for m in _MARKS)
+            ):
+                continue
+            if op.name in _THROUGH and depth > 0 and len(op.results) == 1:
+                frontier(op.results[0], depth - 1)
+            elif op.name.startswith("stablehlo.") and op.name not in _UNMOVABLE:
+                found.extend(r for r in op.results if _known_dtype(r))
+
+    for v in _aliases(storage, module):
+        for use in list(v.uses):
+            op = _operation(use.owner)
+            if (
+                op is None
+                or op.block != block
+                or use.operand_number != 0
+                or any(m in op.attributes for m in _MARKS)
+            ):
+                continue
+            if op.name == "stablehlo.slice":
+                frontier(op.result, 8)
+            elif op.name == "stablehlo.reduce":
+                found.extend(r for r in op.results if _known_dtype(r))
+    return [(v, _aval_of(v)) for v in found]
+
+
+def _known_dtype(v: ir.Value) -> bool:
+    try:
+        _aval_of(v)
+    except (TypeError, ValueError):
+        return False
+    return True
+
+
 def window2_edit(s, ix, axis, new_line, line=None, *, reduce_line=False, values=None):
     """Rewrite the line `s[ix[:-1]]` through a window of it and a neighbouring line.
 

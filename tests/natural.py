@@ -146,6 +146,14 @@ def _array_slice(ops, b, x, p):
     return b, (b.array[:8, :16] * p["s"]).sum()
 
 
+def _array_then_insert(ops, b, x, p):
+    """A static slice of `buf.array` summed, then an insert of a value that does not
+    depend on it: nothing but the library orders the sum before the insert."""
+    y = b.array[:2, :8].sum()
+    b = ops.insert(b, (x["r"][0], x["c"][0]), jnp.sin(p["s"] * x["v"]))
+    return b, y * p["s"]
+
+
 def _delay_array(ops, b, x, p):
     """A delay line's `insert(0, x)`, then its newest frames as `buf.array[:4]`,
     used linearly: under `vmap`, their cotangent is the same for every element."""
@@ -427,6 +435,15 @@ ROWS = (
         "array_slice",
         "(100, 500): traced insert, then a static slice of .array, [:8, :16]",
         _array_slice,
+        (100, 500),
+        1,
+        100,
+        500,
+    ),
+    Row(
+        "array_then_insert",
+        "(100, 500): .array[:2, :8].sum(), then a traced insert",
+        _array_then_insert,
         (100, 500),
         1,
         100,

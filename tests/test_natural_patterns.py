@@ -72,6 +72,11 @@ IN_PLACE = [
     ("array_slice", "grad"),
     ("array_slice", "vmap(grad)"),
     ("delay_array", "vmap(grad)"),
+    # A static slice of `.array` read before an insert that does not use it: the
+    # insert waits for the slice's sum (`_xla.user_reads_before`).
+    ("array_then_insert", "fwd"),
+    ("array_then_insert", "grad"),
+    ("array_then_insert", "jvp"),
     ("stack", "jvp(vmap)"),
     ("stack_scan", "grad"),
     ("select_stack", "grad"),
@@ -136,6 +141,7 @@ def test_no_per_iteration_copies(row, mode):
         "whole_array",
         "array_slice",
         "delay_array",
+        "array_then_insert",
         "delay_whole",
         "delay_taps",
         "ring_taps",
