@@ -221,19 +221,13 @@ class ShiftBuffer(eqx.Module):
         buffer of one line (a ring), `.array` rotates the line, O(line): read a
         window with `read` where only a window is needed.
         """
-        storage = _ops.raise_deferred(self._storage, self._error, self.batch_shape)
-        if self.batch_shape or self.ndim == 0:
-            return _ops.logical(storage, self._ring(), self.batch_shape)
-        # Read through `read_p`, as `read()` does (its recorded error was raised
-        # just above), not as the storage itself: under `grad` JAX adds the
-        # contents' cotangent to the buffer's, and that add, fused into the
-        # transpose of the step's edit, read the cotangent at shifted positions
-        # and was written out of place (1 copy per step under `grad` and
-        # `vmap(grad)` for `buf.array[:8]` after an insert). The read's transpose
-        # accumulates it in place (`accum_p`, `_xla.fold_cotangent_sum`).
-        b = _ops.Leaves(storage, self._error, self._token, self._ring())
-        zeros = (0,) * self.ndim
-        return _ops.read_window(b, zeros, self.shape, "promise_in_bounds")[1]
+        # `read()`'s contents, read through `read_p`, not the storage itself: under
+        # `grad` JAX adds the contents' cotangent to the buffer's, and that add,
+        # fused into the transpose of the step's edit, read the cotangent at
+        # shifted positions and was written out of place (1 copy per step under
+        # `grad` and `vmap(grad)` for `buf.array[:8]` after an insert). The read's
+        # transpose accumulates it in place (`accum_p`, `_xla.fold_cotangent_sum`).
+        return self.read()[1]
 
     @property
     def batch_shape(self) -> tuple[int, ...]:

@@ -41,6 +41,7 @@ from typing import Any
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax._src import dispatch
 from jax._src.lib.mlir import ir
@@ -278,17 +279,10 @@ def unpadded_window(ctx, args: tuple, nbatch: int) -> tuple:
         or not is_zeros(pad.operands[1])
     ):
         return ctx, args
-    moved = []
-    for start, by in zip(starts, low[nbatch:]):
-        if by:
-            t = ir.RankedTensorType(start.type)
-            by = hlo.ConstantOp(
-                ir.DenseElementsAttr.get_splat(
-                    t, ir.IntegerAttr.get(t.element_type, by)
-                )
-            ).result
-            start = hlo.AddOp(start, by).result
-        moved.append(start)
+    moved = [
+        hlo.AddOp(start, _index_constant(start, by)).result if by else start
+        for start, by in zip(starts, low[nbatch:])
+    ]
     inner = pad.operands[0]
     ctx = ctx.replace(avals_in=[*ctx.avals_in[:2], _aval_of(inner), *ctx.avals_in[3:]])
     return ctx, (storage, tok, inner, *moved)
@@ -426,15 +420,12 @@ def _broadcast_window(window: ir.Value, starts: list, rest: ir.Value, lead: int)
         window,
         mlir.dense_int_array(list(range(lead, lead + w_t.rank))),
     ).result
-    zero = hlo.ConstantOp(
-        ir.DenseElementsAttr.get_splat(
-            ir.RankedTensorType.get(
-                [], ir.RankedTensorType(starts[0].type).element_type
-            ),
-            ir.IntegerAttr.get(ir.RankedTensorType(starts[0].type).element_type, 0),
-        )
-    ).result
-    return w, [zero] * lead + list(starts)
+    return w, [_index_constant(starts[0], 0)] * lead + list(starts)
+
+
+def _index_constant(like: ir.Value, value: int) -> ir.Value:
+    """A scalar constant `value` of the integer type of the index `like`."""
+    return mlir.ir_constant(np.asarray(value, _aval_of(like).dtype))
 
 
 # Operations XLA fuses into their consumers, computing each element where it is
