@@ -571,8 +571,10 @@ def _wrap(p: jax.Array, n: int) -> jax.Array:
 
 
 def _rotate(x: jax.Array, shift: jax.Array, axis: int) -> jax.Array:
-    """`out[j] = x[(j + shift) % n]` along `axis`, for `shift` in `[0, n]`."""
-    return P.rotate_p.bind(x, jnp.asarray(shift, jnp.int32), axis=axis)
+    """`out[j] = x[(j + shift) % n]` along `axis`, for `shift` in `[0, n]`: a
+    ring's contents in or out of its storage (`rotate_p`'s `contents`)."""
+    shift = jnp.asarray(shift, jnp.int32)
+    return P.rotate_p.bind(x, shift, axis=axis, contents=True)
 
 
 def _moved(b: Leaves, storage: Any, error: Any, token: Any, head: Any) -> Leaves:

@@ -1273,10 +1273,12 @@ _WRITES = (accum_p, swap_p, insert_p, pop_p)
 # into its consumers) its transpose was a scatter-add into zeros (a delay line's
 # whole-window read: the gradient 1.9x plain `lax`'s shift), and as a slice of
 # `concatenate([x, x])`, which transposes to a pad and an add, the forward pass
-# read the line three times (1.5x plain `lax`).
+# read the line three times (1.5x plain `lax`). `contents=True`: a rotation of a
+# ring's contents (`_ops._rotate`), the identity where the head is 0 (see below);
+# its JVP is the same rotation, its transpose a plain one.
 
 
-def _rotate_impl(x, shift, *, axis):
+def _rotate_impl(x, shift, *, axis, contents=False):
     n = x.shape[axis]
     nb = shift.ndim  # leading batch dimensions of `x`, one shift each
     pos = lax.broadcasted_iota(jnp.int32, shift.shape + (n,), nb)
@@ -1286,7 +1288,21 @@ def _rotate_impl(x, shift, *, axis):
     pos = pos.reshape(pos.shape[:nb] + (1,) * (axis - nb) + pos.shape[nb:])
     # Moved as bits (see `carrier`): a gather of bfloat16 or float8 on XLA:CPU
     # drops NaN payloads.
-    out = jnp.take_along_axis(to_carrier(x), pos, axis=axis, mode="promise_in_bounds")
+    c = to_carrier(x)
+    out = jnp.take_along_axis(c, pos, axis=axis, mode="promise_in_bounds")
+    if contents and nb == 0:
+        # A ring's contents read or written whole (`contents`; not a cotangent
+        # rotated back). The head of a ring that only window writes edit (a cache
+        # attended over whole at every step) stays in a loop's carry the 0 it
+        # started as, which XLA finds: this select is then the line itself, and
+        # the gather dead. XLA does not simplify a gather of its operand's own
+        # positions: the `kv_cache_attention` corpus body's forward (a `(100, 64)`
+        # cache) took 1.8-2x plain `lax`'s. Not on a transpose's rotation: its
+        # operand is a cotangent that XLA fused into both the gather and the
+        # select, computing it twice for every element (under `esb.scan`, in
+        # whose loops XLA cannot see the head to be constant, the cache body's
+        # gradient took 4.5x longer). Pinned by `tests/test_ring.py`.
+        out = jnp.where((shift == 0) | (shift == n), c, out)
     # Behind a barrier, XLA:CPU keeps the gather's result as it is for its
     # consumer: a delay line's whole-window read and sum then reduces a (K, D)
     # array, where without it the reduction was of the gather's (K, 1, D) output,
@@ -1297,42 +1313,43 @@ def _rotate_impl(x, shift, *, axis):
     return from_carrier(out, x.dtype)
 
 
-def _rotate_abstract(x, shift, *, axis):
+def _rotate_abstract(x, shift, *, axis, contents=False):
     return x
 
 
 rotate_p = Primitive("esb_rotate")
 rotate_p.def_impl(
-    lambda x, shift, *, axis: jax.jit(_rotate_impl, static_argnames="axis")(
-        x, shift, axis=axis
+    lambda x, shift, **params: jax.jit(_rotate_impl, static_argnames=tuple(params))(
+        x, shift, **params
     )
 )
 rotate_p.def_abstract_eval(_rotate_abstract)
 mlir.register_lowering(rotate_p, mlir.lower_fun(_rotate_impl, multiple_results=False))
 
 
-def _rotate_jvp(primals, tangents, *, axis):
+def _rotate_jvp(primals, tangents, **params):
     x, shift = primals
-    out = rotate_p.bind(x, shift, axis=axis)
+    out = rotate_p.bind(x, shift, **params)
     if type(tangents[0]) is ad.Zero:
         return out, _zero_tangent(out)
-    return out, rotate_p.bind(tangents[0], shift, axis=axis)
+    return out, rotate_p.bind(tangents[0], shift, **params)
 
 
-def _rotate_transpose(ct, x, shift, *, axis):
+def _rotate_transpose(ct, x, shift, *, axis, contents=False):
+    del contents
     if type(ct) is ad.Zero:
         return [ad.Zero(_aval(x)), None]
     n = _aval(x).shape[axis]
     return [rotate_p.bind(ct, n - shift, axis=axis), None]
 
 
-def _rotate_batch(args, dims, *, axis):
+def _rotate_batch(args, dims, *, axis, contents=False):
     x, shift = args
     xd, sd = dims
     size = x.shape[xd] if xd is not None else shift.shape[sd]
     # The batch dimension leads both operands, one more of `_rotate_impl`'s `nb`.
     x, shift = _move_front(x, xd, size), _move_front(shift, sd, size)
-    return rotate_p.bind(x, shift, axis=axis + 1), 0
+    return rotate_p.bind(x, shift, axis=axis + 1, contents=contents), 0
 
 
 ad.primitive_jvps[rotate_p] = _rotate_jvp
