@@ -66,7 +66,10 @@ class ShiftBuffer(eqx.Module):
     O(min(p, capacity - p)), where that is cheaper than the whole line (up to
     about a sixth of a 1-D line, half a line of frames). With a traced index, or
     farther in, the line shifts, rotated. (Reading the whole ring,
-    `.array` or `read()`, rotates it: O(line), as the read itself.)
+    `.array` or `read()`, rotates it: O(line), as the read itself. In a loop, a
+    ring that only window writes edit, such as a cache written at a moving
+    position, keeps its head at 0, and the compiled loop reads it without
+    rotating.)
 
     **Choosing an edit at run time.** Do not choose between edits of the buffer
     with `lax.cond` (or `jnp.where` between two edited buffers): XLA copies a
