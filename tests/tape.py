@@ -3,8 +3,8 @@
 `esb.scan` decides per buffer whether to record its reads instead of storing it
 (`eqx_shiftbuf/_tape.py`): a test of the recorded path asserts it was taken
 (`taped_leaves`), since a small buffer, or a large record, is stored.
-`loop_bodies` lists the instructions of compiled loop bodies, and
-`loop_buffer_work` the buffer-sized work among them.
+`loop_bodies` lists the instructions of compiled loop bodies, `loop_instructions`
+those and their callees', and `loop_buffer_work` the buffer-sized work among them.
 """
 
 from __future__ import annotations
@@ -29,11 +29,33 @@ def taped_leaves(fn, *args) -> list[int]:
     return [k for k, r in enumerate(eqns[0].params["roles"]) if r == TAPED]
 
 
-def loop_bodies(fn, *args) -> dict[str, list[str]]:
-    """The instructions of each `while` body of `fn`'s compiled program, by name."""
+def _computations(fn, *args) -> tuple[dict[str, list[str]], set[str]]:
+    """`(computations, loop bodies)`: the instructions of each computation of
+    `fn`'s compiled program, by name, and the names of its `while` bodies."""
     comps = _inspect._parse(jax.jit(fn).lower(*args).compile().as_text())
     names = {b for t in comps.values() for b in _inspect._BODY.findall(" ".join(t))}
+    return comps, names
+
+
+def loop_bodies(fn, *args) -> dict[str, list[str]]:
+    """The instructions of each `while` body of `fn`'s compiled program, by name."""
+    comps, names = _computations(fn, *args)
     return {b: comps[b] for b in names}
+
+
+def loop_instructions(fn, *args) -> list[str]:
+    """The instructions of the `while` bodies of `fn`'s compiled program and of
+    every computation they call (fusions, nested loops)."""
+    comps, names = _computations(fn, *args)
+    todo, seen, out = list(names), set(names), []
+    while todo:
+        for line in comps[todo.pop()]:
+            out.append(line)
+            for callee in re.findall(r"calls=%([\w.\-]+)", line):
+                if callee not in seen:
+                    seen.add(callee)
+                    todo.append(callee)
+    return out
 
 
 def loop_buffer_work(fn, args, shape: str) -> list[str]:

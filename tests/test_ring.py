@@ -4,8 +4,6 @@ one element. Its contents, reads, gradients and pytree behave as the logical arr
 
 from __future__ import annotations
 
-import re
-
 import equinox as eqx
 import hypothesis.strategies as st
 import jax
@@ -17,10 +15,9 @@ from jax import lax
 from jax.test_util import check_grads
 
 import eqx_shiftbuf as esb
-from eqx_shiftbuf import _inspect
 
 from . import reference as ref
-from .tape import loop_bodies
+from .tape import loop_bodies, loop_instructions
 
 
 # (shape, axis) of buffers with one line: a flat line, a stack of feature vectors,
@@ -706,23 +703,6 @@ def test_a_ring_whose_head_never_moves_is_read_whole_without_a_gather(how):
     t = jnp.arange(12, dtype=jnp.int32)
     args = (jnp.float32(0.5), jnp.zeros((20, 16)), (t % 20, jnp.linspace(0.1, 1, 12)))
     for fn in (loss, jax.grad(loss, argnums=(0, 1))):
-        gathers = [line for line in _loop_instructions(fn, *args) if " gather(" in line]
+        gathers = [line for line in loop_instructions(fn, *args) if " gather(" in line]
         # (The backward loop rotates the cotangent back: `rotate_p`'s `contents`.)
         assert [g for g in gathers if "transpose(" not in g] == [], gathers
-
-
-def _loop_instructions(fn, *args) -> list[str]:
-    """The instructions of the compiled `while` bodies of `fn`, and of every
-    computation they call (fusions, nested loops), as `loop_bodies` gives the
-    bodies' own."""
-    comps = _inspect._parse(jax.jit(fn).lower(*args).compile().as_text())
-    todo = [b for t in comps.values() for b in _inspect._BODY.findall(" ".join(t))]
-    seen, out = set(todo), []
-    while todo:
-        for line in comps[todo.pop()]:
-            out.append(line)
-            for callee in re.findall(r"calls=%([\w.\-]+)", line):
-                if callee not in seen:
-                    seen.add(callee)
-                    todo.append(callee)
-    return out
