@@ -2,7 +2,7 @@
 
     python benchmarks/patterns.py [--rows pyint,delay_taps] [--modes fwd,grad]
                                   [--no-time] [--steps 100] [--repeat 5]
-                                  [--split] [--hlo ROW MODE FILE]
+                                  [--split] [--vmap] [--hlo ROW MODE FILE]
 
 Each row is a step body written the way a user writes it without thinking about XLA
 (Python-int indices, a delay line, one line, a 1-D buffer, a whole-buffer read, a
@@ -17,6 +17,9 @@ in one run: compare within a run, not across runs), and for the library with
 over its forward (`p.g/f`): issue 13 asks for at most 1.1 and 4. `s.g/f` is the
 same ratio for the same step, `promise_in_bounds`, under `esb.scan` (checkpointed,
 default checkpoints) instead of `lax.scan`: "-" for the rows already scanned so.
+
+`--vmap` adds the same step under `jax.vmap` (`v.fwd`) and `jax.vmap(jax.grad)`
+(`v.grad`), each the library with `promise_in_bounds` over plain `lax`.
 
 `--split` adds the gradient's forward pass alone (`jax.vjp`, returning the
 residuals it saves so that XLA keeps them) and its backward pass alone (the
@@ -107,16 +110,19 @@ def _backward_pass(out_and_vjp, args):
 
 
 def times(
-    row: Row, steps: int, repeat: int, split: bool = False
+    row: Row, steps: int, repeat: int, split: bool = False, vmap: bool = False
 ) -> dict[tuple[str, str], float]:
     """`(version, mode) -> ms` for fwd and grad, the versions' batches interleaved:
     the library (checked, and with `promise_in_bounds`), plain `lax`, and the
     library with `promise_in_bounds` under checkpointed `esb.scan` ("scan"). With
     `split`, also `"pass"`: the gradient's forward pass alone, for the promise
-    version and plain `lax`."""
+    version and plain `lax`. With `vmap`, also `"vmap"` and `"vmap(grad)"` (the
+    inputs of 4 sequences), for the promise version and plain `lax`."""
     fns = {}
     for name, ops in (("esb", ESB), ("promise", ESB_PROMISE), ("plain", PLAIN)):
-        for mode in ("fwd", "grad"):
+        for mode in ("fwd", "grad") + (("vmap", "vmap(grad)") if vmap else ()):
+            if name == "esb" and "vmap" in mode:
+                continue
             fns[name, mode] = jax.jit(
                 program(mode, make_loss(row, ops), row.batch_init)
             )
@@ -130,11 +136,14 @@ def times(
                 program(mode, make_loss(ck, ESB_PROMISE), row.batch_init)
             )
     args = args_for(row, "fwd", steps)
+    batched = args_for(row, "vmap", steps) if vmap else None
     out = {k: float("inf") for k in fns}
     for _ in range(repeat):  # interleave, so that a slow spell hits all a little
         for k, fn in fns.items():
             if k[1] == "bwd":  # on the residuals of the version's forward pass
                 a = (fns[k[0], "pass"](*args), args)
+            elif "vmap" in k[1]:
+                a = batched
             else:
                 a = args
             out[k] = min(out[k], _time(fn, a, 1))
@@ -158,6 +167,11 @@ def main(argv=None) -> None:
         "--split",
         action="store_true",
         help="also time the gradient's forward pass alone (promise and plain)",
+    )
+    ap.add_argument(
+        "--vmap",
+        action="store_true",
+        help="also time vmap and vmap(grad) (promise and plain)",
     )
     ap.add_argument("--hlo", nargs=3, metavar=("ROW", "MODE", "FILE"))
     a = ap.parse_args(argv)
@@ -185,6 +199,8 @@ def main(argv=None) -> None:
         )
         if a.split:
             head += f" {'p.pass':>7} {'p.bwd':>6} {'l.pass':>7} {'l.bwd':>6}"
+        if a.vmap:
+            head += f" {'v.fwd':>6} {'v.grad':>6}"
     print(head)
     for row in rows:
         cells = []
@@ -199,7 +215,7 @@ def main(argv=None) -> None:
             cells.append(f"{_fmt(lib)}/{_fmt(plain)}")
         line = f"{row.name:12} " + " ".join(f"{c:>11}" for c in cells)
         if not a.no_time:
-            t = times(row, a.steps, a.repeat, a.split)
+            t = times(row, a.steps, a.repeat, a.split, a.vmap)
             s_gf = (
                 f"{t['scan', 'grad'] / t['scan', 'fwd']:6.2f}"
                 if ("scan", "fwd") in t
@@ -216,6 +232,9 @@ def main(argv=None) -> None:
             if a.split:
                 for v in ("promise", "plain"):
                     line += f" {t[v, 'pass']:7.3f} {t[v, 'bwd']:6.3f}"
+            if a.vmap:
+                for m in ("vmap", "vmap(grad)"):
+                    line += f" {t['promise', m] / t['plain', m]:6.2f}"
         print(line, flush=True)
         if a.verbose:
             for mode, c in details:

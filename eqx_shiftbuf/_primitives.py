@@ -37,7 +37,8 @@ behaviours are in `_xla.py`, each with the test that pins it. So:
   (`window_by_reduce`; a pop reduces its line and its neighbour,
   `window2_edit`), which XLA materialises once instead of duplicating it into
   its consumers. Otherwise (batched, complex, or a window of the whole buffer)
-  the reads run in their own loop.
+  the reads run in their own loop, except a read of the whole buffer, or under
+  `vmap` of each batch element's whole buffer, which is the storage itself.
   An unbatched read that would be a reduction, of a common dtype, is lowered
   first as a plain slice (`_xla.deferred_read`) and materialised by the lowering
   of the next access that may follow it (`_xla.materialise_deferred_reads`): a
@@ -316,6 +317,14 @@ def _read_impl(
         # copies in every row of `tests/natural.py` and the corpus without it.
         out = storage.reshape(bshape + tuple(sizes))
         return storage, out, tok
+    if _each_element_whole(storage, bshape, sizes, nbatch) and not in_loop:
+        # The same under `vmap`: each batch element's window is its whole buffer,
+        # so the windows are the storage. Read in the loop below, every step
+        # filled a batch of zeros the size of the storage and copied each
+        # element's buffer into it (a batch of kv caches read whole every step:
+        # forward 2.5-3.2x plain `lax`).
+        out = storage.reshape(bshape + tuple(sizes))
+        return storage, out, tok
 
     free = _free_dim(sizes, storage.shape)
     # The loop moves bits where XLA:CPU would not move the values exactly (see
@@ -343,6 +352,20 @@ def _read_impl(
     tok = _read_token(tok, out)
     out = from_carrier(out.reshape(bshape + tuple(sizes)), dtype)
     return from_carrier(storage, dtype), out, tok
+
+
+def _each_element_whole(storage, bshape, sizes: Sequence[int], nbatch: int) -> bool:
+    """Whether a batched read (`nbatch` > 0) reads, for each batch element, that
+    element's whole buffer. The batch rules start every index list with the
+    positions along the storage's batch dimensions (`_batch_common`), so with one
+    window per batch element, 1 wide in those dimensions and spanning the rest,
+    the windows are the storage itself."""
+    b = tuple(storage.shape[:nbatch])
+    return (
+        nbatch > 0
+        and tuple(bshape) == b
+        and tuple(sizes) == (1,) * nbatch + tuple(storage.shape[nbatch:])
+    )
 
 
 def _loop_zeros(storage, shape) -> jax.Array:
@@ -689,9 +712,13 @@ def _shift(storage, tok, idx, axis, new_line, ordered, want_lines=False, values=
     roll is materialised). Unbatched, on a buffer with at least two lines, each
     line is edited through a 2-line window (`window2_edit`), straight-line.
     Otherwise: `ordered=False` reads, shifts and writes each line straight-line,
-    the same operations as plain `lax` code; `ordered=True` first reads the lines in their own loop (needed when
-    `storage` comes straight from another straight-line write, see the module
-    docstring). `want_lines` forces that loop, to return the lines as read.
+    the same operations as plain `lax` code; `ordered=True` first reads the
+    lines in their own loop (needed when `storage` comes straight from another
+    straight-line write, see the module docstring). Batched, the writes are a
+    loop, which XLA does not fuse a write before it into, and `ordered` is moot:
+    that read loop filled zeros the size of all the lines every step (a batch of
+    1-D buffers under `vmap`, each a line: 2.7x plain `lax`'s forward).
+    `want_lines` forces that loop, to return the lines as read.
     `values`: the dtype whose bits `storage` holds, if it is moved as bits
     (`carrier`), for `window2_edit`.
     """
@@ -713,7 +740,7 @@ def _shift(storage, tok, idx, axis, new_line, ordered, want_lines=False, values=
             s, _element(idx, j), axis, new_line, values=values
         )[0]
         return _write(tok, size, body, storage, idx), None
-    if ordered:
+    if ordered and (want_lines or size == 1):
         starts = list(idx[:-1]) + [jnp.zeros_like(idx[-1])] * (storage.ndim - axis)
         sizes = _line_sizes(storage.shape, axis)
         storage, lines, tok = _read_impl(storage, tok, *starts, sizes=sizes)
@@ -930,6 +957,35 @@ def _pop_edit(storage, tok, idx, axis, fill, read, ordered, values=None):
         storage, removed, tok = _read_impl(storage, tok, *starts, sizes=sizes)
         storage, _ = _shift(storage, tok, idx, axis, new_line, False)
         return storage, removed.reshape(bshape + storage.shape[axis + 1 :])
+    if size > 1:
+        # Batched: one loop over the batch, each trip reading its line, taking
+        # the removed element out of it and writing the shifted line, as for an
+        # insert (`_shift`, unordered: the writes are in a loop, not fused with
+        # a straight-line write before them). The lines read in a loop of their
+        # own first (below) filled zeros the size of all the lines, every step (a
+        # batch of 1-D buffers under `vmap`: 2.5x plain `lax`'s forward).
+        n = storage.shape[axis]
+
+        def each(j, state, idx):
+            s, out = state
+            ix = _element(idx, j)
+            start, line = _read_line(s, ix, axis)
+            col = _physical(ix[-1], heads(j), n)
+            removed = lax.dynamic_index_in_dim(line, col, 0, keepdims=False)
+            out = _put(out, j, removed.astype(out.dtype))
+            # The write waits for the removed elements' update, which XLA fuses
+            # with the read of the removed element from the buffer: after the
+            # write, that read is of the old buffer, which is then a copy.
+            start[0] = start[0] + _index_zero(_read_token(tok, out)).astype(
+                start[0].dtype
+            )
+            s = _write_line(s, start, new_line(j, line, ix[-1]), axis)
+            return s, out
+
+        vshape = storage.shape[axis + 1 :]
+        state = (storage, _loop_zeros(storage, (size,) + vshape))
+        storage, removed = _write(tok, size, each, state, idx)
+        return storage, removed.reshape(bshape + vshape)
     # Otherwise the removed elements are read before the write (in place only if
     # ordered before it by data) from materialised lines: an ordered shift, its
     # reads in a loop.
@@ -1347,8 +1403,16 @@ def _rotate_batch(args, dims, *, axis, contents=False):
     x, shift = args
     xd, sd = dims
     size = x.shape[xd] if xd is not None else shift.shape[sd]
+    x = _move_front(x, xd, size)
+    if sd is None:
+        # One shift for the whole batch (a batch of rings whose heads move
+        # together; a batch of caches whose head never moves): rotated as one
+        # array, so that `contents`' select still applies. With the shift
+        # broadcast, a batch of `kv_cache_attention` caches was gathered whole
+        # every step (its forward under `vmap` 2.1x plain `lax`).
+        return rotate_p.bind(x, shift, axis=axis + 1, contents=contents), 0
     # The batch dimension leads both operands, one more of `_rotate_impl`'s `nb`.
-    x, shift = _move_front(x, xd, size), _move_front(shift, sd, size)
+    shift = _move_front(shift, sd, size)
     return rotate_p.bind(x, shift, axis=axis + 1, contents=contents), 0
 
 

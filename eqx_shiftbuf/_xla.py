@@ -1191,8 +1191,9 @@ _THROUGH = _ELEMENTWISE | frozenset(
 
 def user_reads_before(storage: ir.Value, module) -> list:
     """`(value, aval)` of the results of the plain reads of `storage` (a static
-    `slice` or a `reduce` of it, and what follows them elementwise, up to a
-    reduction), in the block being lowered, that an edit of `storage` must wait for.
+    `slice` or a `reduce` of it or of a reshape of it, and what follows them
+    elementwise, up to a reduction), in the block being lowered, that an edit of
+    `storage` must wait for.
 
     `buf.array` is the storage itself: a slice of it then a sum, then an insert
     (`y = buf.array[:2].sum(); buf = buf.insert(...)`) left XLA free to run the
@@ -1216,7 +1217,9 @@ def user_reads_before(storage: ir.Value, module) -> list:
             elif op.name.startswith("stablehlo.") and op.name not in _UNMOVABLE:
                 found.extend(r for r in op.results if _known_dtype(r))
 
-    for v in _aliases(storage, module):
+    todo = _aliases(storage, module)
+    while todo:
+        v = todo.pop()
         for use in list(v.uses):
             op = _operation(use.owner)
             if (
@@ -1226,11 +1229,25 @@ def user_reads_before(storage: ir.Value, module) -> list:
                 or any(m in op.attributes for m in _MARKS)
             ):
                 continue
-            if op.name == "stablehlo.slice":
+            if op.name == "stablehlo.reshape" and _unit_dims_only(v, op.result):
+                # The same array: under `vmap`, a read of each batch element's
+                # whole buffer is the storage with a unit dimension added for
+                # the windows, then dropped (`_primitives._each_element_whole`).
+                # (Not a reshape that flattens it, as the library's own reads
+                # of its first element do, `_primitives._loop_zeros`.)
+                todo.append(op.result)
+            elif op.name == "stablehlo.slice":
                 frontier(op.result, 8)
             elif op.name == "stablehlo.reduce":
                 found.extend(r for r in op.results if _known_dtype(r))
     return [(v, _aval_of(v)) for v in found]
+
+
+def _unit_dims_only(a: ir.Value, b: ir.Value) -> bool:
+    """Whether `b`'s shape is `a`'s with unit dimensions added or dropped."""
+    sa = [d for d in ir.RankedTensorType(a.type).shape if d != 1]
+    sb = [d for d in ir.RankedTensorType(b.type).shape if d != 1]
+    return sa == sb
 
 
 def _known_dtype(v: ir.Value) -> bool:

@@ -9,6 +9,7 @@ those and their callees', and `loop_buffer_work` the buffer-sized work among the
 
 from __future__ import annotations
 
+import math
 import re
 
 import jax
@@ -58,15 +59,27 @@ def loop_instructions(fn, *args) -> list[str]:
     return out
 
 
-def loop_buffer_work(fn, args, shape: str) -> list[str]:
+def _elements(hlo_shape: str) -> int | None:
+    """The number of elements of an array of HLO shape `hlo_shape` (`"f32[64,8]"`),
+    None for a tuple or token."""
+    m = re.fullmatch(r"[a-z]\w*\[([\d,]*)\]", hlo_shape)
+    if m is None:
+        return None
+    return math.prod(int(d) for d in m.group(1).split(",") if d)
+
+
+def loop_buffer_work(fn, args, shape: str | int) -> list[str]:
     """The instructions of the compiled loop bodies of `fn` that make an array of
-    HLO shape `shape` (`"f32[64,8]"`) other than by updating one in place: copies,
-    and fusions whose root is not a `dynamic-update-slice` (a full-size add, say)."""
+    HLO shape `shape` (`"f32[64,8]"`), or of `shape` elements of any type and
+    shape, other than by updating one in place: copies, broadcasts, and fusions
+    whose root is not a `dynamic-update-slice` (a full-size add, say)."""
     found = []
     for body in loop_bodies(fn, *args).values():
         for line in body:
             m = re.match(r"\s*(?:ROOT )?%(\S+) = (\S+?)(?:\{[^}]*\})? ([\w-]+)\(", line)
-            if m is None or m.group(2) != shape:
+            if m is None:
+                continue
+            if m.group(2) != shape and _elements(m.group(2)) != shape:
                 continue
             name, op = m.group(1), m.group(3)
             in_place = op == "fusion" and "dynamic-update-slice" in name

@@ -8,6 +8,7 @@ its values.
 """
 
 import functools
+import math
 
 import jax
 import numpy as np
@@ -16,6 +17,7 @@ import pytest
 import eqx_shiftbuf as esb
 
 from . import natural, reference
+from .tape import loop_buffer_work
 
 
 # On one xdist worker (`--dist loadgroup`): the tests share compiled programs
@@ -176,3 +178,28 @@ def test_a_static_slice_of_array_is_not_padded_to_the_buffer_in_the_gradient(mod
         line for line in hlo.splitlines() if f"[{shape}]" in line and " pad(" in line
     ]
     assert padded == [], padded
+
+
+# Under `vmap`, a step of these rows edits each batch element's buffer through
+# windows: no instruction of the loop makes an array the size of the batch of
+# buffers except by updating one in place. All but `two_lines` did, every step:
+# a read of each element's whole line (a pop's line, a delete's ordered read,
+# `.array`) in a loop of its own filled a batch of zeros that size (forward
+# 1.3-2.7x plain `lax`'s where the buffer is one line).
+VMAP_WINDOWED = [
+    "one_line",
+    "one_d",
+    "one_d_del",
+    "two_lines",
+    "array_then_insert",
+    "whole_array",
+]
+
+
+@pytest.mark.parametrize("row", VMAP_WINDOWED)
+def test_no_buffer_sized_work_per_step_under_vmap(row):
+    fn, args = _program(row, "vmap", natural.ESB)
+    r = natural.ROWS_BY_NAME[row]
+    assert loop_buffer_work(fn, args, natural.BATCH * math.prod(r.shape)) == []
+    ref, ref_args = _program(row, "vmap", natural.PLAIN)
+    np.testing.assert_allclose(fn(*args), ref(*ref_args), rtol=2e-5, atol=1e-5)
