@@ -72,7 +72,8 @@ def loop_buffer_work(fn, args, shape: str | int) -> list[str]:
     """The instructions of the compiled loop bodies of `fn` that make an array of
     HLO shape `shape` (`"f32[64,8]"`), or of `shape` elements of any type and
     shape, other than by updating one in place: copies, broadcasts, and fusions
-    whose root is not a `dynamic-update-slice` (a full-size add, say)."""
+    whose root is not a `dynamic-update-slice` or a scatter (a full-size add,
+    say)."""
     found = []
     for body in loop_bodies(fn, *args).values():
         for line in body:
@@ -82,7 +83,11 @@ def loop_buffer_work(fn, args, shape: str | int) -> list[str]:
             if m.group(2) != shape and _elements(m.group(2)) != shape:
                 continue
             name, op = m.group(1), m.group(3)
-            in_place = op == "fusion" and "dynamic-update-slice" in name
+            # (A scatter writes into its operand, as a `dynamic-update-slice`
+            # does; where it cannot, XLA copies the operand first, a copy.)
+            in_place = op == "fusion" and (
+                "dynamic-update-slice" in name or name.startswith("wrapped_scatter")
+            )
             if not in_place and op not in ("parameter", "get-tuple-element", "bitcast"):
                 found.append(line.strip()[:120])
     return found

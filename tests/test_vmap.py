@@ -11,6 +11,7 @@ from jax import lax
 import eqx_shiftbuf as esb
 
 from . import natural, reference as ref
+from .tape import loop_bodies
 
 
 B, SHAPE = 3, (4, 6)
@@ -265,3 +266,40 @@ def test_windows_of_dropped_buffers_under_grad_of_vmap_copy_nothing():
     fn = natural.program("grad(vmap)", _old_window_loss)
     copies = esb.find_loop_copies(fn, s, a, xs, min_bytes=a.nbytes // 2)
     assert copies == [], "\n".join(map(str, copies))
+
+
+@pytest.mark.parametrize("op", ["insert", "delete", "pop"])
+def test_a_batch_of_shifts_of_each_elements_buffer_runs_no_loop_over_the_batch(op):
+    # One line of each batch element's own buffer: gathered and scattered back
+    # shifted, all at once, as plain `lax` under `vmap` does (a loop over the
+    # batch, each trip one shift, took 2.5-5x plain `lax`'s forward on the
+    # corpus's insert, delete and pop bodies). In place, and exact.
+    def step(b, x):
+        r, c, v = x
+        if op == "insert":
+            return b.insert((r, c), v), v
+        if op == "delete":
+            return b.delete((r, c)), v
+        b, out = b.pop((r, c))
+        return b, out
+
+    def run(a, xs):
+        b, ys = lax.scan(step, esb.ShiftBuffer.from_array(a), xs)
+        return b.array, ys
+
+    rng = np.random.default_rng(2)
+    n = 8  # (XLA unrolls a loop of a few trips)
+    a = jnp.asarray(rng.normal(size=(n, 16, 32)), jnp.float32)
+    xs = (
+        jnp.asarray(rng.integers(0, 16, (n, 7)), jnp.int32),
+        jnp.asarray(rng.integers(0, 32, (n, 7)), jnp.int32),
+        jnp.asarray(rng.normal(size=(n, 7)), jnp.float32),
+    )
+    fn = jax.vmap(run)
+    assert len(loop_bodies(fn, a, xs)) == 1  # the scan's
+    assert esb.find_loop_copies(fn, a, xs, min_bytes=a.nbytes // 2) == []
+    got = jax.jit(fn)(a, xs)
+    for k in range(n):
+        want = jax.jit(run)(a[k], tuple(x[k] for x in xs))
+        for g, w in zip(got, want, strict=True):
+            np.testing.assert_array_equal(g[k], w)
