@@ -268,20 +268,22 @@ def test_windows_of_dropped_buffers_under_grad_of_vmap_copy_nothing():
     assert copies == [], "\n".join(map(str, copies))
 
 
-@pytest.mark.parametrize("op", ["insert", "delete", "pop"])
-def test_a_batch_of_shifts_of_each_elements_buffer_runs_no_loop_over_the_batch(op):
-    # One line of each batch element's own buffer: gathered and scattered back
-    # shifted, all at once, as plain `lax` under `vmap` does (a loop over the
-    # batch, each trip one shift, took 2.5-5x plain `lax`'s forward on the
-    # corpus's insert, delete and pop bodies). In place, and exact.
+@pytest.mark.parametrize("op", ["insert", "delete", "pop", "write"])
+def test_a_batch_of_edits_of_each_elements_buffer_runs_no_loop_over_the_batch(op):
+    # One line or window of each batch element's own buffer: gathered and
+    # scattered back, all at once, as plain `lax` under `vmap` does (a loop over
+    # the batch, each trip one edit, took 2.5-5x plain `lax`'s forward on the
+    # corpus's insert, delete, pop and `dynamic_update_slice` bodies). In place,
+    # and exact. (Reads still loop: `_primitives`' module docstring.)
     def step(b, x):
         r, c, v = x
         if op == "insert":
             return b.insert((r, c), v), v
         if op == "delete":
             return b.delete((r, c)), v
-        b, out = b.pop((r, c))
-        return b, out
+        if op == "pop":
+            return b.pop((r, c))
+        return b.dynamic_update_slice(jnp.full((2, 4), v), (r % 15, c % 29)), v
 
     def run(a, xs):
         b, ys = lax.scan(step, esb.ShiftBuffer.from_array(a), xs)
