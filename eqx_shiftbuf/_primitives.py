@@ -904,7 +904,10 @@ def _insert_impl(storage, tok, value, *idx, axis, ordered, nbatch=0):
 # 0.2-1.05x gathered, since a gathered line is materialised twice. Batched
 # writes of windows (`_scattered`) take the same bound; the corpus's windows are
 # 16 elements (`dynamic_update_slice` under `vmap`: 2.5-4.2x with the loop, about
-# 1x scattered).
+# 1x scattered). Not free where a step also reads the whole buffer: the natural
+# rows `whole_*` (an insert into lines of 64, then a read of all 512 of them)
+# take 1.1-1.3x as long gathered as with the loop, still 0.74-0.93x plain `lax`
+# (both versions compiled in one process, alternated).
 GATHER_LINES_UP_TO = 256
 
 
