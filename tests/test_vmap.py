@@ -268,7 +268,7 @@ def test_windows_of_dropped_buffers_under_grad_of_vmap_copy_nothing():
     assert copies == [], "\n".join(map(str, copies))
 
 
-@pytest.mark.parametrize("op", ["insert", "delete", "pop", "write"])
+@pytest.mark.parametrize("op", ["insert", "delete", "pop", "write", "ring_write"])
 def test_a_batch_of_edits_of_each_elements_buffer_runs_no_loop_over_the_batch(op):
     # One line or window of each batch element's own buffer: gathered and
     # scattered back, all at once, as plain `lax` under `vmap` does (a loop over
@@ -286,7 +286,9 @@ def test_a_batch_of_edits_of_each_elements_buffer_runs_no_loop_over_the_batch(op
         return b.dynamic_update_slice(jnp.full((2, 4), v), (r % 15, c % 29)), v
 
     def run(a, xs):
-        b, ys = lax.scan(step, esb.ShiftBuffer.from_array(a), xs)
+        # A buffer of one line (along axis 0) is a ring, whose window may wrap.
+        axis = 0 if op == "ring_write" else -1
+        b, ys = lax.scan(step, esb.ShiftBuffer.from_array(a, axis=axis), xs)
         return b.array, ys
 
     rng = np.random.default_rng(2)
