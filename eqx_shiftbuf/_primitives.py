@@ -84,9 +84,8 @@ An edit of one short line or window of each batch element (`vmap` of an edit of
 each element's own buffer) is the exception: a shift gathers those lines and
 scatters them back shifted (`_each_element`; not a ring's), and a write scatters
 the windows (`_scattered`; a ring's rows wrapping), all at once, as plain `lax`
-under `vmap`. Their JVPs and
-transposes are still accesses of this family, so `grad` adds no scatter-add into
-zeros. Reads still loop: gathered, a read's window was computed twice, for its
+under `vmap`. Their JVPs and transposes are still accesses of this family, so
+`grad` adds no scatter-add into zeros. Reads still loop: gathered, a read's window was computed twice, for its
 reader and for its token (the natural rows `delay_taps` and `ring_taps` under
 `vmap`, five taps a step: 1.5-2.1x slower).
 """
@@ -312,9 +311,11 @@ def _read_impl(
         # step of the kv-cache body under grad).
         return storage, out, _read_token(tok, bits)
 
-    if size == 1 and tuple(sizes) == tuple(storage.shape) and not in_loop:
-        # The whole buffer: the window is the storage itself. Read in a loop, it
-        # was copied into the loop's state every step (a whole-buffer
+    whole = size == 1 and tuple(sizes) == tuple(storage.shape)
+    if (whole or _each_element_whole(storage, bshape, sizes, nbatch)) and not in_loop:
+        # The whole buffer (under `vmap`, each batch element's whole buffer): the
+        # window is the storage itself. Read in a loop, it was copied into the
+        # loop's state every step (a whole-buffer
         # `dynamic_slice` after an insert: 1 copy forward, 2 in grad, 4 in jvp);
         # as a value, its readers run before the next write wherever XLA can
         # order them so (as for `.array`). The token is returned unchanged: one
@@ -324,14 +325,10 @@ def _read_impl(
         # made XLA compute the shifted element again (a delay line's step with a
         # whole-buffer read was slower than plain `lax` with it), with the same
         # copies in every row of `tests/natural.py` and the corpus without it.
-        out = storage.reshape(bshape + tuple(sizes))
-        return storage, out, tok
-    if _each_element_whole(storage, bshape, sizes, nbatch) and not in_loop:
-        # The same under `vmap`: each batch element's window is its whole buffer,
-        # so the windows are the storage. Read in the loop below, every step
-        # filled a batch of zeros the size of the storage and copied each
-        # element's buffer into it (a batch of kv caches read whole every step:
-        # forward 2.5-3.2x plain `lax`).
+        # Under `vmap`, read in the loop below, every step filled a batch of
+        # zeros the size of the storage and copied each element's buffer into
+        # it (a batch of kv caches read whole every step: forward 2.5-3.2x plain
+        # `lax`).
         out = storage.reshape(bshape + tuple(sizes))
         return storage, out, tok
 
@@ -363,18 +360,33 @@ def _read_impl(
     return from_carrier(storage, dtype), out, tok
 
 
+def _one_per_batch_element(storage, bshape, nbatch: int) -> bool:
+    """Whether a batched access (`nbatch` > 0) has one index per batch element of
+    the storage. The batch rules start every index list with the positions along
+    the storage's batch dimensions (`_batch_common`), so each access is then of
+    its own element's buffer, and no two touch the same element."""
+    return nbatch > 0 and tuple(bshape) == tuple(storage.shape[:nbatch])
+
+
 def _each_element_whole(storage, bshape, sizes: Sequence[int], nbatch: int) -> bool:
-    """Whether a batched read (`nbatch` > 0) reads, for each batch element, that
-    element's whole buffer. The batch rules start every index list with the
-    positions along the storage's batch dimensions (`_batch_common`), so with one
-    window per batch element, 1 wide in those dimensions and spanning the rest,
-    the windows are the storage itself."""
-    b = tuple(storage.shape[:nbatch])
-    return (
-        nbatch > 0
-        and tuple(bshape) == b
-        and tuple(sizes) == (1,) * nbatch + tuple(storage.shape[nbatch:])
-    )
+    """Whether a batched read reads, for each batch element, that element's whole
+    buffer (`_one_per_batch_element`, 1 wide along the batch dimensions and
+    spanning the rest): the windows are then the storage itself."""
+    whole = (1,) * nbatch + tuple(storage.shape[nbatch:])
+    return _one_per_batch_element(storage, bshape, nbatch) and tuple(sizes) == whole
+
+
+def _by_element(storage, indices, nbatch: int, tok, at: int):
+    """`(storage, indices)` for an access of one window of each batch element
+    (`_one_per_batch_element`) written with `jax.vmap`: the storage with its
+    `nbatch` batch dimensions flattened into one, and each element's own indices
+    (the batch positions dropped), `tok` added to `indices[at]` so that the access
+    waits for the one that produced it."""
+    b = math.prod(storage.shape[:nbatch])
+    s = storage.reshape((b,) + storage.shape[nbatch:])
+    ix = [i.reshape(b) for i in indices[nbatch:]]
+    ix[at] = ix[at] + _index_zero(tok).astype(ix[at].dtype)
+    return s, ix
 
 
 def _loop_zeros(storage, shape) -> jax.Array:
@@ -615,10 +627,10 @@ def _swap_impl(storage, tok, update, *starts, read, nbatch=0, ring=None, ordered
             return widened_write(s, _element(starts, j), u.shape, lambda old: u)
         return lax.dynamic_update_slice(s, u, _element(starts, j))
 
-    at = _free_dim(sizes, storage.shape)
     if _one_window_per_element(storage, bshape, sizes, nbatch):
         storage = _scattered(storage, tok, update, starts, nbatch, ring)
     else:
+        at = _free_dim(sizes, storage.shape)
         storage = _write(tok, size, body, storage, starts, at)
     old = from_carrier(old.reshape(bshape + sizes), dtype)
     return from_carrier(storage, dtype), old, tok_in
@@ -627,10 +639,9 @@ def _swap_impl(storage, tok, update, *starts, read, nbatch=0, ring=None, ordered
 def _one_window_per_element(storage, bshape, sizes, nbatch: int) -> bool:
     """Whether a batched write writes one window of at most `GATHER_LINES_UP_TO`
     elements into each batch element's buffer, narrower than that buffer in some
-    dimension (`_one_per_element`, `_scattered`)."""
+    dimension (`_one_per_batch_element`, `_scattered`)."""
     return (
-        nbatch > 0
-        and tuple(bshape) == tuple(storage.shape[:nbatch])
+        _one_per_batch_element(storage, bshape, nbatch)
         and math.prod(sizes) <= GATHER_LINES_UP_TO
         and _free_dim(sizes[nbatch:], storage.shape[nbatch:]) is not None
     )
@@ -640,20 +651,17 @@ def _scattered(storage, tok, update, starts, nbatch: int, ring: int | None = Non
     """`storage` with one window of `update` written into each batch element's
     buffer (with `ring`, its rows along that axis wrapping round the end of the
     storage, `_ring_scatter`), all at once: a scatter, as plain `lax` under `vmap`
-    (`_each_element`),
-    where the loop over the batch costs about 0.15 us a trip on XLA:CPU (the
-    corpus's `dynamic_update_slice` body under `vmap`: 2.5-4.2x plain `lax`'s
-    forward)."""
+    (`_each_element`), where the loop over the batch costs about 0.15 us a trip
+    on XLA:CPU (the corpus's `dynamic_update_slice` body under `vmap`: 2.5-4.2x
+    plain `lax`'s forward)."""
     nb = nbatch
-    b = math.prod(storage.shape[:nb])
-    s = storage.reshape((b,) + storage.shape[nb:])
-    u = update.reshape((b,) + update.shape[1 + nb :])
-    st = [i.reshape(b) for i in starts[nb:]]
-    # After the access that produced `tok`, on a dimension the window does not
-    # span (`_free_dim`): XLA drops the start of one it spans.
-    at = _free_dim(u.shape[1:], s.shape[1:])
+    sizes = update.shape[1 + nb :]
+    # The token on a dimension the window does not span (`_free_dim`): XLA drops
+    # the start of one it spans.
+    at = _free_dim(sizes, storage.shape[nb:])
     assert at is not None  # `_one_window_per_element`
-    st[at] = st[at] + _index_zero(tok).astype(st[at].dtype)
+    s, st = _by_element(storage, starts, nb, tok, at)
+    u = update.reshape((s.shape[0],) + sizes)
     if ring is None:
         write = lambda s1, u1, *st1: lax.dynamic_update_slice(s1, u1, st1)
     else:  # rows that wrap round the end of each element's ring (`_ring_scatter`)
@@ -918,12 +926,10 @@ GATHER_LINES_UP_TO = 256
 def _one_per_element(storage, bshape, nbatch: int, axis: int) -> bool:
     """Whether a batched shift along `axis` edits one short line (at most
     `GATHER_LINES_UP_TO` elements) of each batch element's buffer: its `nbatch`
-    leading indices are the positions along the storage's batch dimensions
-    (`_batch_common`), one per element, so no two edits touch the same line
-    (`_each_element`)."""
+    leading indices are its batch positions (`_one_per_batch_element`), so no two
+    edits touch the same line (`_each_element`)."""
     return (
-        nbatch > 0
-        and tuple(bshape) == tuple(storage.shape[:nbatch])
+        _one_per_batch_element(storage, bshape, nbatch)
         and storage.size > 0
         and math.prod(storage.shape[axis:]) <= GATHER_LINES_UP_TO
     )
@@ -941,11 +947,7 @@ def _each_element(storage, tok, idx, axis, new_line, nbatch):
     A ring's line is left to that loop: gathered, its shift copied the buffer
     under `jvp(vmap)` (`ring_mix`)."""
     nb = nbatch
-    B = math.prod(storage.shape[:nb])
-    s = storage.reshape((B,) + storage.shape[nb:])
-    ix = [i.reshape(B) for i in idx[nb:]]
-    # After the access that produced `tok`: the line's index waits for it.
-    ix[0] = ix[0] + _index_zero(tok).astype(ix[0].dtype)
+    s, ix = _by_element(storage, idx, nb, tok, 0)  # (the line's first index)
     ax = axis - nb
 
     def one(j, s1, *ix1):
@@ -954,7 +956,7 @@ def _each_element(storage, tok, idx, axis, new_line, nbatch):
         out = _write_line(s1, start, new_line(j, line, ix1[-1]), ax)
         return out, removed
 
-    out, removed = jax.vmap(one)(jnp.arange(B), s, *ix)
+    out, removed = jax.vmap(one)(jnp.arange(s.shape[0]), s, *ix)
     removed = removed.reshape(idx[0].shape + storage.shape[axis + 1 :])
     return out.reshape(storage.shape), removed
 

@@ -62,10 +62,10 @@ def loop_instructions(fn, *args) -> list[str]:
 def _elements(hlo_shape: str) -> int | None:
     """The number of elements of an array of HLO shape `hlo_shape` (`"f32[64,8]"`),
     None for a tuple or token."""
-    m = re.fullmatch(r"[a-z]\w*\[([\d,]*)\]", hlo_shape)
+    m = _inspect._ARRAY.fullmatch(hlo_shape)
     if m is None:
         return None
-    return math.prod(int(d) for d in m.group(1).split(",") if d)
+    return math.prod(int(d) for d in m.group(2).split(",") if d)
 
 
 def loop_buffer_work(fn, args, shape: str | int) -> list[str]:
