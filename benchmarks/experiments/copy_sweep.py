@@ -58,6 +58,11 @@ for plain arrays there (an insert then a pop on a (4096,) line: 1 and 2 under
 grad,"vmap(grad)","grad(vmap)"` (13 shapes): 0 everywhere, after the windows of
 one buffer at batched starts got zeros of their own under grad(vmap)
 (`_primitives._read_transpose`; `ds` copied 2 a step there before).
+2026-12-06, after batched shifts of short lines became one gather and one scatter
+(`_each_element`) and batched window writes one scatter (`_scattered`): `--modes
+vmap,"vmap(grad)","jvp(vmap)","grad(vmap)"` on the default sweep (13 shapes x 14
+bodies) with each of `--styles traced32`, `pyint`, `npint`, `traced64`, `pyneg`:
+0 on all 910 rows.
 `--dtype int32 --modes fwd,vmap` (`flat, ring, three, mid3, lead, four`,
 `traced32,pyint`): 0. `--dtype complex64` (`flat, three, ring`, traced32): the
 one-line shapes copied 1, 2, 2 a step (fwd, grad, jvp) on every body that shifts
