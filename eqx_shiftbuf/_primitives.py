@@ -85,7 +85,8 @@ each element's own buffer) is the exception: a shift gathers those lines and
 scatters them back shifted (`_each_element`; not a ring's), and a write scatters
 the windows (`_scattered`; a ring's rows wrapping), all at once, as plain `lax`
 under `vmap`. Their JVPs and transposes are still accesses of this family, so
-`grad` adds no scatter-add into zeros. Reads still loop. Gathered with the token
+`grad` adds no scatter-add into zeros. Window reads (not of each element's whole
+buffer, which is the storage itself) still loop. Gathered with the token
 taken from the windows, a read's window was computed twice, for its reader and
 for its token (the natural rows `delay_taps` and `ring_taps` under `vmap`: 1.5-2.1x
 slower). Gathered through a reduction as an unbatched read is (`window_by_reduce`

@@ -274,7 +274,7 @@ def test_a_batch_of_edits_of_each_elements_buffer_runs_no_loop_over_the_batch(op
     # scattered back, all at once, as plain `lax` under `vmap` does (a loop over
     # the batch, each trip one edit, took 2.5-5x plain `lax`'s forward on the
     # corpus's insert, delete, pop and `dynamic_update_slice` bodies). In place,
-    # and exact. (Reads still loop: `_primitives`' module docstring.)
+    # and exact. (Window reads still loop: `_primitives`' module docstring.)
     def step(b, x):
         r, c, v = x
         if op == "insert":
