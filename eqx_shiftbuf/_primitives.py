@@ -910,7 +910,8 @@ def _insert_impl(storage, tok, value, *idx, axis, ordered, nbatch=0):
     )
     narrow = dtype if moved_as_bits(dtype) else None
     if head is None and _one_per_element(storage, bshape, nbatch, axis):
-        storage = _each_element(storage, tok, idx, axis, new_line, nbatch)[0]
+        each = lambda v, line, col: _shift_right(line, col, v)
+        storage = _each_element(storage, tok, idx, axis, each, nbatch, value)[0]
         return from_carrier(storage, dtype), tok
     storage = _shift(storage, tok, idx, axis, new_line, ordered, values=narrow)[0]
     return from_carrier(storage, dtype), tok
@@ -943,11 +944,20 @@ def _one_per_element(storage, bshape, nbatch: int, axis: int) -> bool:
     )
 
 
-def _each_element(storage, tok, idx, axis, new_line, nbatch):
-    """`(storage, removed)`: the shift `new_line` of one line of each batch
-    element's buffer (`_one_per_element`), all at once: one gather of the lines
-    and one scatter of the shifted ones, as plain `lax` under `vmap`, which XLA
-    does in place. `removed`: each line's element at its index.
+def _each_element(storage, tok, idx, axis, new_line, nbatch, values=None):
+    """`(storage, removed)`: the shift `new_line(value, line, col)` of one line of
+    each batch element's buffer (`_one_per_element`), all at once: one gather of
+    the lines and one scatter of the shifted ones, as plain `lax` under `vmap`,
+    which XLA does in place. `values`: one per batch element, mapped over with the
+    lines (or None). `removed`: each line's element at its index.
+
+    The values are mapped over, not taken by each element's position in the batch
+    (`values[j]` for `j` in `arange`): that was a gather, which XLA:CPU computed
+    as a kernel of its own before the scatter, where plain `lax` fuses the value's
+    computation into the scattered window. One kernel more a step took the natural
+    row `whole_read` under `vmap` to 9 kernels a loop step against plain `lax`'s
+    8, past the 8 that XLA:CPU runs in line
+    (`benchmarks/experiments/thunk_threshold.py`).
 
     The loop over the batch that `_shift` runs otherwise costs XLA:CPU about
     0.15 us a trip: the corpus's insert, delete and pop bodies under `vmap` (8
@@ -958,13 +968,15 @@ def _each_element(storage, tok, idx, axis, new_line, nbatch):
     s, ix = _by_element(storage, idx, nb, tok, 0)  # (the line's first index)
     ax = axis - nb
 
-    def one(j, s1, *ix1):
+    def one(v1, s1, *ix1):
         start, line = _read_line(s1, list(ix1), ax)
         removed = lax.dynamic_index_in_dim(line, ix1[-1], 0, keepdims=False)
-        out = _write_line(s1, start, new_line(j, line, ix1[-1]), ax)
+        out = _write_line(s1, start, new_line(v1, line, ix1[-1]), ax)
         return out, removed
 
-    out, removed = jax.vmap(one)(jnp.arange(s.shape[0]), s, *ix)
+    out, removed = jax.vmap(
+        one, in_axes=(None if values is None else 0,) + (0,) * (1 + len(ix))
+    )(values, s, *ix)
     removed = removed.reshape(idx[0].shape + storage.shape[axis + 1 :])
     return out.reshape(storage.shape), removed
 
@@ -1013,8 +1025,8 @@ def _pop_impl(storage, tok, *idx, axis, fill, read, ordered, nbatch=0):
     plain, head = _split_head(idx, axis)
     bshape = tuple(plain[0].shape)
     if head is None and _one_per_element(storage, bshape, nbatch, axis):
-        new_line = lambda j, line, col, ax=None: _shift_left(line, col, fill)
-        storage, removed = _each_element(storage, tok, plain, axis, new_line, nbatch)
+        each = lambda v, line, col: _shift_left(line, col, fill)
+        storage, removed = _each_element(storage, tok, plain, axis, each, nbatch)
         if not read:  # a delete: the removed elements are not wanted
             removed = jnp.zeros_like(removed)
         return from_carrier(storage, dtype), from_carrier(removed, dtype), tok

@@ -91,3 +91,21 @@ def loop_buffer_work(fn, args, shape: str | int) -> list[str]:
             if not in_place and op not in ("parameter", "get-tuple-element", "bitcast"):
                 found.append(line.strip()[:120])
     return found
+
+
+# HLO instructions that XLA:CPU runs as no kernel of their own.
+_NOT_KERNELS = ("parameter", "constant", "get-tuple-element", "tuple", "bitcast")
+
+
+def loop_kernels(fn, *args) -> list[int]:
+    """The kernels (thunks) of each `while` body of `fn`'s compiled program, in the
+    order of `loop_bodies`: every instruction but those in `_NOT_KERNELS`.
+
+    XLA:CPU runs a loop body of at most 8 kernels in line and a longer one through
+    its dataflow executor, at about 0.5 us more a trip
+    (`benchmarks/experiments/thunk_threshold.py`)."""
+    out = []
+    for body in loop_bodies(fn, *args).values():
+        ops = [re.match(r"\s*(?:ROOT )?%\S+ = \S+? ([\w-]+)\(", line) for line in body]
+        out.append(sum(1 for m in ops if m and m.group(1) not in _NOT_KERNELS))
+    return out

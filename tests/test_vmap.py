@@ -10,8 +10,8 @@ from jax import lax
 
 import eqx_shiftbuf as esb
 
-from . import natural, reference as ref
-from .tape import loop_bodies
+from . import corpus, natural, reference as ref
+from .tape import loop_bodies, loop_kernels
 
 
 B, SHAPE = 3, (4, 6)
@@ -307,3 +307,31 @@ def test_a_batch_of_edits_of_each_elements_buffer_runs_no_loop_over_the_batch(op
         want = jax.jit(run)(a[k], tuple(x[k] for x in xs))
         for g, w in zip(got, want, strict=True):
             np.testing.assert_array_equal(g[k], w)
+
+
+_SHIFTED_EACH = ["insert", "delete", "pop", "two_inserts", "insert_then_delete"]
+
+
+@pytest.mark.parametrize("name", _SHIFTED_EACH + ["whole_read"])
+def test_a_batch_of_short_line_shifts_runs_no_more_kernels_a_step_than_plain_lax(
+    name,
+):
+    # XLA:CPU runs a loop body of more than 8 kernels through its dataflow
+    # executor, about 0.5 us more a step, so each kernel counts. A batch of inserts
+    # took its values by each element's position in the batch, a gather of its
+    # own where plain `lax` computes the value in the scattered window: one kernel
+    # more a step (`whole_read` 9 against 8). `_primitives._each_element`.
+    if name in corpus.BODIES_BY_NAME:
+        body = corpus.BODIES_BY_NAME[name]
+        p, init, xs = corpus.make_inputs(body, 100, 64, 50)
+        args = (p, init, corpus.batch_xs(xs, 4))
+        loss = lambda ops: corpus.make_loss(body, ops)
+        plain = corpus.PLAIN
+    else:
+        row = natural.ROWS_BY_NAME[name]
+        args = natural.args_for(row, "vmap", 50)
+        loss = lambda ops: natural.make_loss(row, ops)
+        plain = natural.PLAIN
+    lib = jax.vmap(loss(corpus.ESB_PROMISE), in_axes=(None, None, 0))
+    ref_ = jax.vmap(loss(plain), in_axes=(None, None, 0))
+    assert loop_kernels(lib, *args) <= loop_kernels(ref_, *args)
