@@ -104,8 +104,25 @@ def loop_kernels(fn, *args) -> list[int]:
     XLA:CPU runs a loop body of at most 8 kernels in line and a longer one through
     its dataflow executor, at about 0.5 us more a trip
     (`benchmarks/experiments/thunk_threshold.py`)."""
-    out = []
-    for body in loop_bodies(fn, *args).values():
-        ops = [re.match(r"\s*(?:ROOT )?%\S+ = \S+? ([\w-]+)\(", line) for line in body]
-        out.append(sum(1 for m in ops if m and m.group(1) not in _NOT_KERNELS))
-    return out
+    return [
+        sum(1 for line in body if _opcode(line) not in (None, *_NOT_KERNELS))
+        for body in loop_bodies(fn, *args).values()
+    ]
+
+
+def _opcode(line: str) -> str | None:
+    """The opcode of an HLO instruction line, past its shape, which may be a tuple
+    (`(s32[], f32[8]{0}, /*index=2*/...)`: a `while`, a `conditional`)."""
+    m = re.match(r"\s*(?:ROOT )?%\S+ = ", line)
+    if m is None:
+        return None
+    rest, depth = line[m.end() :], 0
+    for k, ch in enumerate(rest):  # skip the shape, balanced brackets and all
+        if ch in "([{":
+            depth += 1
+        elif ch in ")]}":
+            depth -= 1
+        elif ch == " " and depth == 0:
+            op = re.match(r"([\w-]+)\(", rest[k + 1 :])
+            return op.group(1) if op else None
+    return None

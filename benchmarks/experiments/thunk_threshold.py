@@ -77,10 +77,7 @@ from jax import lax
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from tests import corpus  # noqa: E402
-
-
-# HLO instructions that are not thunks of their own.
-_FREE = ("parameter", "constant", "get-tuple-element", "tuple", "bitcast")
+from tests.tape import _NOT_KERNELS, _opcode  # noqa: E402
 
 
 def loop_kernels(compiled) -> list[int]:
@@ -90,8 +87,7 @@ def loop_kernels(compiled) -> list[int]:
     for body in re.findall(r"body=%([\w.\-]+)", text):
         start = text.find("%" + body + " (")
         lines = text[start : text.find("\n}\n", start)].split("\n")[1:]
-        ops = [re.search(r"= \S+ ([\w-]+)\(", line) for line in lines]
-        out.append(sum(1 for m in ops if m and m.group(1) not in _FREE))
+        out.append(sum(1 for x in lines if _opcode(x) not in (None, *_NOT_KERNELS)))
     return out
 
 
