@@ -95,7 +95,16 @@ still: XLA:CPU's gather computes and clamps an index for every element it reads,
 where a loop trip's `dynamic_slice` clamps one start and copies rows. Measured in
 one process against the loop, batch 4-8: the corpus's `slice_matmul_write` and
 `mixed` 0.84-0.88x, but `ring_taps` (11 reads of 32 elements a step) 2.2-3.3x, 2x
-plain `lax`, with the token or without it, and `read_old` 1.3-1.6x.
+plain `lax`, with the token or without it, and `read_old` 1.3-1.6x. Gathered with
+`jax.vmap(lax.dynamic_slice)`, each window then materialised once and the token
+taken from its first element, `ring_taps`' loop step has 23 kernels (96 and 11
+loops of 3 with the loops), but its 11 gathers are ready at once, which XLA:CPU's
+dataflow executor hands to its thread pool
+(`benchmarks/experiments/thunk_threshold.py`): 1.68x plain `lax` (0.74 with the
+loops); chained through the token (each gather's start waiting for the previous
+read's token), 1.35x, and `delay_taps` 0.40x (0.13 with the loops);
+`slice_matmul_write` 1.00x either way (1.26 with the loop), `read_old` 0.10-0.11x
+(0.06). `benchmarks/vmap.py`, one run each.
 """
 
 from __future__ import annotations
