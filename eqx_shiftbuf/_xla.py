@@ -147,6 +147,11 @@ def widened_write(s, st, sizes, new_window):
     of zeros by a `dynamic_update_slice` instead, they fuse into the write, but the
     corpus's `dynamic_update_slice` forward took 1.7-1.9x as long (the fused
     update computes and selects every element), and the cache's 0.97-0.99x.
+    Written into the buffer seen as 1-D (a bitcast; the window, one contiguous run,
+    is then as many dimensions wide as the buffer, and the values fuse into the
+    write), XLA copies the buffer every step: it does not write in place through
+    a fusion whose root is the bitcast back (the corpus's `dynamic_update_slice`
+    and `kv_cache_attention` forwards, 1 copy a step).
 
     Pinned by `tests/test_corpus.py::test_no_per_iteration_copies` on the `mixed`
     and `dynamic_update_slice` bodies (an accumulation followed by a pop copied
