@@ -52,7 +52,8 @@ behaviours are in `_xla.py`, each with the test that pins it. So:
   has two*: a shift reads and writes a *2-line window*, its line and a neighbour
   along each dimension before the line's that has two elements (`window2_edit`),
   and an accumulation or overwrite a window widened to 2 where it is 1 wide
-  (`widened_write`), taking only its own elements from the new values. XLA:CPU duplicates a write whose update has fewer non-unit dimensions
+  (`widened_write`), taking only its own elements from the new values (an
+  overwrite of a buffer of 2 dimensions excepted: `_swap_impl`). XLA:CPU duplicates a write whose update has fewer non-unit dimensions
   than the buffer (it counts as "effectively unary") into the next read of the
   buffer, turning that read into a read of the older buffer, unordered with
   respect to the write: the write copies (three inserts in one step copied twice,
@@ -640,7 +641,16 @@ def _swap_impl(storage, tok, update, *starts, read, nbatch=0, ring=None, ordered
         # through the conversion only when nothing else in the write's fusion
         # reads the storage, which the widened window's neighbour does (a copy of
         # the buffer per step; `tests/test_in_place.py`). Written as the window.
-        if size == 1 and not moved_as_bits(dtype):
+        # So is a buffer of 2 dimensions: widened, the new values are
+        # computed in a kernel of their own (`widened_write`), one kernel more a
+        # step than plain `lax`'s write (the corpus's `dynamic_update_slice`
+        # forward 1.09-1.10x plain `lax`, 0.99x written as the window), and
+        # `copy_sweep.py` finds no copy without it on those buffers (an overwrite
+        # followed by a read, a slice, `.array` or a pop, every mode). With 3
+        # dimensions or more an overwrite then a pop copied under `jvp` (2 a step
+        # on `(8, 32, 64)`, `(8, 1, 64)` and `(4, 3, 5, 64)` buffers); a 1-D
+        # buffer's one-element writes were not swept, and stay widened.
+        if size == 1 and not moved_as_bits(dtype) and s.ndim != 2:
             return widened_write(s, _element(starts, j), u.shape, lambda old: u)
         return lax.dynamic_update_slice(s, u, _element(starts, j))
 

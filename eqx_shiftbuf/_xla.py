@@ -153,9 +153,16 @@ def widened_write(s, st, sizes, new_window):
     a fusion whose root is the bitcast back (the corpus's `dynamic_update_slice`
     and `kv_cache_attention` forwards, 1 copy a step).
 
+    An overwrite of a buffer of 2 dimensions is written as its window instead
+    (`_primitives._swap_impl`: `copy_sweep.py` finds no copy without the widening
+    there, and the window saves that kernel); accumulations are widened whatever
+    the rank (an insert then a read of a `(8, 32, 64)` buffer copied 2 a step under
+    `grad` without it).
+
     Pinned by `tests/test_corpus.py::test_no_per_iteration_copies` on the `mixed`
     and `dynamic_update_slice` bodies (an accumulation followed by a pop copied
-    twice per step under grad without it).
+    twice per step under grad without it), and for overwrites by
+    `tests/test_in_place.py::test_an_overwrite_then_a_pop_copies_nothing`.
     """
     shape = s.shape
     starts, wide, offs = [], [], []

@@ -21,7 +21,7 @@ import eqx_shiftbuf as esb
 from eqx_shiftbuf import _inspect
 
 from . import corpus
-from .tape import loop_bodies
+from .tape import loop_bodies, loop_kernels
 
 
 # On one xdist worker (`--dist loadgroup`): the tests share compiled programs
@@ -544,3 +544,55 @@ def test_a_static_slice_of_a_complex_buffer_s_array_copies_nothing_under_grad():
         grad, jnp.float32(0.5), a, xs, min_bytes=a.nbytes // 2
     )
     assert copies == [], copies
+
+
+# A one-line overwrite of a 2-D buffer is written as its window, its new values
+# computed in the write's own kernel, as plain `lax` writes it; one of a buffer of
+# 3 dimensions or more through a window 2 wide in each of them
+# (`_primitives._swap_impl`, `_xla.widened_write`).
+
+
+def _overwrite_then_pop_loss(shape):
+    def loss(s, a, xs):
+        def step(b, x):
+            i, j, v = x
+            w = jnp.full((1,) * (len(shape) - 1) + (16,), jnp.tanh(v * s))
+            b = b.dynamic_update_slice(w, (0,) * (len(shape) - 2) + (i % 8, j))
+            b, removed = b.pop((0,) * (len(shape) - 2) + (i % 8, j))
+            return b, removed * s
+
+        b, ys = lax.scan(step, esb.ShiftBuffer(a, axis=len(shape) - 1), xs)
+        return (b.array**2).sum() + ys.sum()
+
+    xs = (
+        jnp.arange(STEPS, dtype=jnp.int32) * 3,
+        jnp.arange(STEPS, dtype=jnp.int32) * 5 % (shape[-1] - 16),
+        jnp.linspace(0.1, 1.0, STEPS),
+    )
+    return loss, (jnp.float32(0.5), jnp.ones(shape, jnp.float32), xs)
+
+
+@pytest.mark.parametrize("shape", [(8, 64), (8, 32, 64), (8, 1, 64)])
+@pytest.mark.parametrize("mode", ["forward", "grad", "jvp"])
+def test_an_overwrite_then_a_pop_copies_nothing(shape, mode):
+    # Written as its window into a buffer of 3 dimensions, the overwrite copied 2
+    # a step under `jvp` (XLA duplicated it into the pop's read of the line).
+    loss, args = _overwrite_then_pop_loss(shape)
+    if mode == "grad":
+        loss = jax.grad(loss, argnums=(0, 1))
+    elif mode == "jvp":
+        loss = functools.partial(
+            lambda f, s, a, xs: jax.jvp(lambda s, a: f(s, a, xs), (s, a), (s, a)),
+            loss,
+        )
+    assert esb.find_loop_copies(loss, *args, min_bytes=args[1].nbytes // 2) == []
+
+
+def test_a_one_line_overwrite_of_a_2d_buffer_runs_plain_lax_s_kernels():
+    # Through a window 2 wide, the new values were computed in a kernel of their
+    # own: one more a step than plain `lax` (the corpus's `dynamic_update_slice`
+    # forward 1.09-1.10x plain `lax`'s).
+    body = corpus.BODIES_BY_NAME["dynamic_update_slice"]
+    args = corpus.make_inputs(body, 100, 64, 50)
+    lib = loop_kernels(corpus.make_loss(body, corpus.ESB_PROMISE), *args)
+    assert lib <= loop_kernels(corpus.make_loss(body, corpus.PLAIN), *args)

@@ -22,7 +22,7 @@ along the shift axis (traced from the scan's inputs, or Python / NumPy ints) and
     python benchmarks/experiments/copy_sweep.py --kind eqxi --modes fwd,grad,vmap,"vmap(grad)"
     python benchmarks/experiments/copy_sweep.py --shapes last3 --bodies ins_del --detail
 
-All shapes with traced int32 take about 5 minutes on the project's 2-core CPU.
+All shapes with traced int32 take about 10 minutes on the project's 2-core CPU.
 Last run (2026-12-05, jax 0.10.2): 0 copies on every row of the default sweep (13
 shapes x 12 bodies x 7 modes); of `--styles traced32,pyint,npint,pyneg` on the
 rings (`flat,ring,line,col,lead`); of `--kind esb` (`flat,ring,line,lead`,
@@ -78,6 +78,15 @@ in a probe of the same step on four shapes: 1 a step under `vmap(grad)`, and
 under `grad` on the two with several lines; complex64 `mid3`: 1 under `grad`). bfloat16 (1, 1, 2 forward, grad, jvp, with
 traced indices) and `--unroll 2` (2-4 a step) copy as before (README, known
 limits). `long,one3,mid4` with `traced32,pyint`: 0.
+2026-12-06, later: new bodies `dus_read`, `dus_ds`, `dus_arr`, `dus_pop` (an
+overwrite, then a read, a slice, `.array` or a pop). With every one-line
+overwrite and accumulation written as its window, not widened (a probe): `ins_read`
+and `ins_arr` copied 2 a step under grad on `last3`, `four`, `unit3`, and `dus_pop`
+2 under jvp on the same shapes; nothing else. After overwrites of 2-D buffers only
+were written as their window (`_primitives._swap_impl`): 0 on the default sweep
+(13 shapes x 18 bodies), on `--styles pyint,pyneg` (`line, two, three, col,
+ring, wide, lead`) and on `--kind esb` and `--kind remat` (`two, three, wide,
+lead, ring`) for the six overwrite bodies.
 """
 
 import argparse
@@ -181,6 +190,18 @@ def bodies(shape, axis, dtype):
             f32(r[1]).sum(),
         )
     )(b.read(st(i), wsz))
+    B["dus_read"] = lambda b, i, j, v: (lambda r: (r[0], (f32(r[1]) * v).sum()))(
+        b.dynamic_update_slice(jnp.full(wsz, v, dtype), st(i)).read(st(j), wsz)
+    )
+    B["dus_ds"] = lambda b, i, j, v: (
+        lambda nb: (nb, (f32(nb.dynamic_slice(st(j), wsz)) * v).sum())
+    )(b.dynamic_update_slice(jnp.full(wsz, v, dtype), st(i)))
+    B["dus_arr"] = lambda b, i, j, v: (
+        lambda nb: (nb, (f32(nb.array[head]) * v).sum())
+    )(b.dynamic_update_slice(jnp.full(wsz, v, dtype), st(i)))
+    B["dus_pop"] = lambda b, i, j, v: (lambda r: (r[0], (f32(r[1]) * v).sum()))(
+        b.dynamic_update_slice(jnp.full(wsz, v, dtype), st(i)).pop(lead() + (j,))
+    )
     B["pop_ins"] = lambda b, i, j, v: (
         lambda r: (
             r[0].insert(lead() + (j,), (f32(r[1]) * v).astype(dtype)),
