@@ -159,10 +159,11 @@ def widened_write(s, st, sizes, new_window):
     the rank (an insert then a read of a `(8, 32, 64)` buffer copied 2 a step under
     `grad` without it).
 
-    Pinned by `tests/test_corpus.py::test_no_per_iteration_copies` on the `mixed`
-    and `dynamic_update_slice` bodies (an accumulation followed by a pop copied
-    twice per step under grad without it), and for overwrites by
-    `tests/test_in_place.py::test_an_overwrite_then_a_pop_copies_nothing`.
+    Pinned by `tests/test_in_place.py::test_an_insert_then_a_read_copies_nothing_under_grad`
+    (accumulations) and `test_an_overwrite_then_a_pop_copies_nothing` (overwrites),
+    on buffers of 3 and 4 dimensions. (The corpus's bodies, all on 2-D buffers, no
+    longer copy without it: `tests/test_corpus.py` passes with every write
+    written as its window.)
     """
     shape = s.shape
     starts, wide, offs = [], [], []
