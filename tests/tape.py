@@ -30,12 +30,17 @@ def taped_leaves(fn, *args) -> list[int]:
     return [k for k, r in enumerate(eqns[0].params["roles"]) if r == TAPED]
 
 
-def _computations(fn, *args) -> tuple[dict[str, list[str]], set[str]]:
+def _computations(fn, *args) -> tuple[dict[str, list[str]], list[str]]:
     """`(computations, loop bodies)`: the instructions of each computation of
     `fn`'s compiled program, by name, and the names of its `while` bodies."""
-    comps = _inspect._parse(jax.jit(fn).lower(*args).compile().as_text())
-    names = {b for t in comps.values() for b in _inspect._BODY.findall(" ".join(t))}
-    return comps, names
+    return _computations_in(jax.jit(fn).lower(*args).compile().as_text())
+
+
+def _computations_in(hlo: str) -> tuple[dict[str, list[str]], list[str]]:
+    """`_computations` of the optimised HLO text `hlo`, the bodies in its order."""
+    comps = _inspect._parse(hlo)
+    bodies = {b for t in comps.values() for b in _inspect._BODY.findall(" ".join(t))}
+    return comps, [name for name in comps if name in bodies]
 
 
 def loop_bodies(fn, *args) -> dict[str, list[str]]:
@@ -98,15 +103,21 @@ _NOT_KERNELS = ("parameter", "constant", "get-tuple-element", "tuple", "bitcast"
 
 
 def loop_kernels(fn, *args) -> list[int]:
-    """The kernels (thunks) of each `while` body of `fn`'s compiled program, in the
-    order of `loop_bodies`: every instruction but those in `_NOT_KERNELS`.
+    """The kernels (thunks) of each `while` body of `fn`'s compiled program, in HLO
+    order: every instruction but those in `_NOT_KERNELS`.
 
     XLA:CPU runs a loop body of at most 8 kernels in line and a longer one through
     its dataflow executor, at about 0.5 us more a trip
     (`benchmarks/experiments/thunk_threshold.py`)."""
+    return loop_kernels_in(jax.jit(fn).lower(*args).compile().as_text())
+
+
+def loop_kernels_in(hlo: str) -> list[int]:
+    """`loop_kernels` of the optimised HLO text `hlo` (`compiled.as_text()`)."""
+    comps, names = _computations_in(hlo)
     return [
-        sum(1 for line in body if _opcode(line) not in (None, *_NOT_KERNELS))
-        for body in loop_bodies(fn, *args).values()
+        sum(1 for line in comps[b] if _opcode(line) not in (None, *_NOT_KERNELS))
+        for b in names
     ]
 
 

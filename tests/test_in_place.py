@@ -20,7 +20,7 @@ from jax import lax
 import eqx_shiftbuf as esb
 from eqx_shiftbuf import _inspect
 
-from . import corpus
+from . import corpus, natural
 from .tape import loop_bodies, loop_kernels
 
 
@@ -552,16 +552,14 @@ def test_a_static_slice_of_a_complex_buffer_s_array_copies_nothing_under_grad():
 # (`_primitives._swap_impl`, `_xla.widened_write`).
 
 
-def _overwrite_then_pop_loss(shape):
-    def loss(s, a, xs):
-        def step(b, x):
-            i, j, v = x
-            w = jnp.full((1,) * (len(shape) - 1) + (16,), jnp.tanh(v * s))
-            b = b.dynamic_update_slice(w, (0,) * (len(shape) - 2) + (i % 8, j))
-            b, removed = b.pop((0,) * (len(shape) - 2) + (i % 8, j))
-            return b, removed * s
+def _scan_loss(step, shape):
+    """`(loss, args)`: a `lax.scan` of `step(b, (i, j, v), s)` over a `ShiftBuffer`
+    of `shape` shifted along its last axis, `i` and `j` traced positions."""
 
-        b, ys = lax.scan(step, esb.ShiftBuffer(a, axis=len(shape) - 1), xs)
+    def loss(s, a, xs):
+        b, ys = lax.scan(
+            lambda b, x: step(b, x, s), esb.ShiftBuffer(a, axis=len(shape) - 1), xs
+        )
         return (b.array**2).sum() + ys.sum()
 
     xs = (
@@ -572,20 +570,27 @@ def _overwrite_then_pop_loss(shape):
     return loss, (jnp.float32(0.5), jnp.ones(shape, jnp.float32), xs)
 
 
+def _overwrite_then_pop(shape):
+    lead = (0,) * (len(shape) - 2)
+
+    def step(b, x, s):
+        i, j, v = x
+        w = jnp.full((1,) * (len(shape) - 1) + (16,), jnp.tanh(v * s))
+        b = b.dynamic_update_slice(w, lead + (i % shape[-2], j))
+        b, removed = b.pop(lead + (i % shape[-2], j))
+        return b, removed * s
+
+    return _scan_loss(step, shape)
+
+
 @pytest.mark.parametrize("shape", [(8, 64), (8, 32, 64), (8, 1, 64)])
-@pytest.mark.parametrize("mode", ["forward", "grad", "jvp"])
+@pytest.mark.parametrize("mode", ["fwd", "grad", "jvp"])
 def test_an_overwrite_then_a_pop_copies_nothing(shape, mode):
     # Written as its window into a buffer of 3 dimensions, the overwrite copied 2
     # a step under `jvp` (XLA duplicated it into the pop's read of the line).
-    loss, args = _overwrite_then_pop_loss(shape)
-    if mode == "grad":
-        loss = jax.grad(loss, argnums=(0, 1))
-    elif mode == "jvp":
-        loss = functools.partial(
-            lambda f, s, a, xs: jax.jvp(lambda s, a: f(s, a, xs), (s, a), (s, a)),
-            loss,
-        )
-    assert esb.find_loop_copies(loss, *args, min_bytes=args[1].nbytes // 2) == []
+    loss, args = _overwrite_then_pop(shape)
+    fn = natural.program(mode, loss)
+    assert esb.find_loop_copies(fn, *args, min_bytes=args[1].nbytes // 2) == []
 
 
 def test_a_one_line_overwrite_of_a_2d_buffer_runs_plain_lax_s_kernels():
@@ -594,8 +599,9 @@ def test_a_one_line_overwrite_of_a_2d_buffer_runs_plain_lax_s_kernels():
     # forward 1.09-1.10x plain `lax`'s).
     body = corpus.BODIES_BY_NAME["dynamic_update_slice"]
     args = corpus.make_inputs(body, 100, 64, 50)
-    lib = loop_kernels(corpus.make_loss(body, corpus.ESB_PROMISE), *args)
-    assert lib <= loop_kernels(corpus.make_loss(body, corpus.PLAIN), *args)
+    (lib,) = loop_kernels(corpus.make_loss(body, corpus.ESB_PROMISE), *args)
+    (plain,) = loop_kernels(corpus.make_loss(body, corpus.PLAIN), *args)
+    assert lib <= plain
 
 
 @pytest.mark.parametrize("shape", [(8, 64), (8, 32, 64), (4, 3, 5, 64)])
@@ -606,24 +612,12 @@ def test_an_insert_then_a_read_copies_nothing_under_grad(shape):
     # the insert's transpose).
     lead = (0,) * (len(shape) - 2)
 
-    def loss(s, a, xs):
-        def step(b, x):
-            i, j, v = x
-            b = b.insert(lead + (i % shape[-2], j), jnp.sin(v * s))
-            b, w = b.read(
-                lead + (j % shape[-2], j % (shape[-1] - 16)),
-                (1,) * (len(shape) - 1) + (16,),
-            )
-            return b, (w * s).sum()
+    def step(b, x, s):
+        i, j, v = x
+        b = b.insert(lead + (i % shape[-2], j), jnp.sin(v * s))
+        b, w = b.read(lead + (j % shape[-2], j), (1,) * (len(shape) - 1) + (16,))
+        return b, (w * s).sum()
 
-        b, ys = lax.scan(step, esb.ShiftBuffer(a, axis=len(shape) - 1), xs)
-        return (b.array**2).sum() + ys.sum()
-
-    xs = (
-        jnp.arange(STEPS, dtype=jnp.int32) * 3,
-        jnp.arange(STEPS, dtype=jnp.int32) * 5 % shape[-1],
-        jnp.linspace(0.1, 1.0, STEPS),
-    )
-    args = (jnp.float32(0.5), jnp.ones(shape, jnp.float32), xs)
-    grad = jax.grad(loss, argnums=(0, 1))
-    assert esb.find_loop_copies(grad, *args, min_bytes=args[1].nbytes // 2) == []
+    loss, args = _scan_loss(step, shape)
+    fn = natural.program("grad", loss)
+    assert esb.find_loop_copies(fn, *args, min_bytes=args[1].nbytes // 2) == []

@@ -58,13 +58,11 @@ the last branch for any index past the end), one kernel fewer per checked access
 alternating, best of 7, 1000 steps, checked, every corpus body: 0.96-1.04x the
 code before on forward and gradient alike (one run's 0.57x on the
 `dynamic_update_slice` gradient did not come back in two reruns: 0.99-1.02x), since
-no loop crossed 8 kernels. Not kept: it
-needs JAX's private `_switch_internal`.
+no loop crossed 8 kernels. Not kept: it needs JAX's private `_switch_internal`.
 
     python benchmarks/experiments/thunk_threshold.py
 """
 
-import re
 import sys
 import time
 from pathlib import Path
@@ -77,18 +75,7 @@ from jax import lax
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from tests import corpus  # noqa: E402
-from tests.tape import _NOT_KERNELS, _opcode  # noqa: E402
-
-
-def loop_kernels(compiled) -> list[int]:
-    """The thunks of each `while` body of a compiled program, in HLO order."""
-    text = compiled.as_text()
-    out = []
-    for body in re.findall(r"body=%([\w.\-]+)", text):
-        start = text.find("%" + body + " (")
-        lines = text[start : text.find("\n}\n", start)].split("\n")[1:]
-        out.append(sum(1 for x in lines if _opcode(x) not in (None, *_NOT_KERNELS)))
-    return out
+from tests.tape import loop_kernels_in  # noqa: E402
 
 
 def _best_ms(fn, args, repeat: int = 15, number: int = 1) -> float:
@@ -115,7 +102,9 @@ def independent_carries(steps: int = 10000) -> None:
         cs = tuple(jnp.ones((256,)) for _ in range(n))
         compiled = jax.jit(run).lower(cs, xs).compile()
         ms = _best_ms(compiled, (cs, xs))
-        print(f"{n:9d} {loop_kernels(compiled)[0]:8d} {ms / steps * 1e3:8.3f}")
+        print(
+            f"{n:9d} {loop_kernels_in(compiled.as_text())[0]:8d} {ms / steps * 1e3:8.3f}"
+        )
 
 
 def checked_pop(steps: int = 1000) -> None:
@@ -131,7 +120,7 @@ def checked_pop(steps: int = 1000) -> None:
         for name, fn in (("forward", loss), ("grad's forward pass", forward_pass)):
             compiled = jax.jit(fn).lower(p, init, xs).compile()
             ms = _best_ms(compiled, (p, init, xs), repeat=7, number=10)
-            kernels = loop_kernels(compiled)[0]
+            kernels = loop_kernels_in(compiled.as_text())[0]
             print(f"{name + ', ' + what:27} {kernels:8d} {ms:7.3f}")
 
 
