@@ -1717,7 +1717,7 @@ def lowered_without_explicit_shardings(lower_rule: Callable) -> Callable:
     """
 
     def rule(ctx, *args, **params):
-        if not any(_on_explicit_mesh(a) for a in (*ctx.avals_in, *ctx.avals_out)):
+        if not any(on_explicit_mesh(a) for a in (*ctx.avals_in, *ctx.avals_out)):
             return lower_rule(ctx, *args, **params)
         from jax.sharding import AbstractMesh, use_abstract_mesh
 
@@ -1791,7 +1791,7 @@ def _explicit_mesh(aval) -> Any:
     return mesh if any(t == AxisType.Explicit for t in types) else None
 
 
-def _on_explicit_mesh(aval) -> bool:
+def on_explicit_mesh(aval) -> bool:
     return _explicit_mesh(aval) is not None
 
 
@@ -1804,7 +1804,7 @@ def _explicitly_sharded(aval) -> bool:
 def _local(aval):
     """`aval` with no mesh (a `ShapedArray` of its shape and dtype), if it has an
     explicit one."""
-    if not _on_explicit_mesh(aval):
+    if not on_explicit_mesh(aval):
         return aval
     from jax.sharding import AbstractMesh, use_abstract_mesh
 
