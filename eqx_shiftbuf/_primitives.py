@@ -89,24 +89,36 @@ each element's own buffer) is the exception: a shift gathers those lines and
 scatters them back shifted (`_each_element`; not a ring's), and a write scatters
 the windows (`_scattered`; a ring's rows wrapping), all at once, as plain `lax`
 under `vmap`. Their JVPs and transposes are still accesses of this family, so
-`grad` adds no scatter-add into zeros. An access whose indices the whole batch
-shares is one unbatched access of a window spanning the batch dimension
-(`_across_the_batch`). A read of one window of each element's buffer (not its
-whole buffer, which is the storage itself; not a ring's window, which may wrap) is
-one gather (`_batch_gather`), deferred as an unbatched read is
-(`_xla.deferred_read`): a gather that no edit follows (a batch of ring taps) stays
-plain and XLA fuses it into its consumers; the next edit materialises one it
-follows behind an `optimization_barrier`, which its readers then read and the
-token is taken from. It was a loop over the batch: `slice_matmul_write` under
-`vmap` 1.3x plain `lax`'s forward, 1.0x gathered. Gathered but materialised
-always, with the token taken from each window, a step of many reads had its
-gathers ready at once, which XLA:CPU's dataflow executor hands to its thread pool
-(`benchmarks/experiments/thunk_threshold.py`): `ring_taps` 1.7-1.9x plain `lax`
-(0.7-0.8x with the loops, and deferred). A gather of a reshape of the storage
-was not found by the next edit (`_xla._marks`), which then did not wait for it:
-XLA copied the batch of buffers every step (`mixed`; `tests/test_vmap.py`).
-Other batched reads (a ring's windows, complex or narrow dtypes, inside a loop)
-still loop.
+`grad` adds no scatter-add into zeros. Window reads (not of each element's whole
+buffer, which is the storage itself) still loop. Gathered with the token
+taken from the windows, a read's window was computed twice, for its reader and
+for its token (the natural rows `delay_taps` and `ring_taps` under `vmap`: 1.5-2.1x
+slower). Gathered through a reduction as an unbatched read is (`window_by_reduce`
+under `jax.vmap`, the token from its result), the window is computed once, and
+still: XLA:CPU's gather computes and clamps an index for every element it reads,
+where a loop trip's `dynamic_slice` clamps one start and copies rows. Measured in
+one process against the loop, batch 4-8: the corpus's `slice_matmul_write` and
+`mixed` 0.84-0.88x, but `ring_taps` (11 reads of 32 elements a step) 2.2-3.3x, 2x
+plain `lax`, with the token or without it, and `read_old` 1.3-1.6x. Gathered with
+`jax.vmap(lax.dynamic_slice)`, each window then materialised once and the token
+taken from its first element, `ring_taps`' loop step has 23 kernels (96 and 11
+loops of 3 with the loops), but its 11 gathers are ready at once, which XLA:CPU's
+dataflow executor hands to its thread pool
+(`benchmarks/experiments/thunk_threshold.py`): 1.68x plain `lax` (0.74 with the
+loops); chained through the token (each gather's start waiting for the previous
+read's token), 1.35x, and `delay_taps` 0.40x (0.13 with the loops);
+`slice_matmul_write` 1.00x either way (1.26 with the loop), `read_old` 0.10-0.11x
+(0.06). `benchmarks/vmap.py`, one run each. Gathered and deferred as an unbatched
+read is (`_xla.deferred_read`: one gather of the storage, left plain where no edit
+follows, materialised behind an `optimization_barrier` by the next edit), the
+loop steps had plain `lax`'s kernels (`slice_matmul_write` 10 against 9,
+`ring_taps` 11 against 11, no loop over the batch), but `ring_taps`' eleven
+gathers fused into their readers were slower than its loops: in one process,
+alternating the two versions three times, `slice_matmul_write` 1.26-1.30x ->
+0.96-1.02x plain `lax`, `ring_taps` 0.49-0.78x -> 1.00-1.32x and its
+`vmap(grad)` 0.09 -> 0.12x. Not kept: whether an edit follows a read is not known
+when it is lowered (swapping a lowered loop for a gather when one does is not
+written).
 """
 
 from __future__ import annotations
@@ -1185,59 +1197,8 @@ def _deferrable(ctx, *, sizes, nbatch, wrap=None, ring=None) -> bool:
     )
 
 
-def _deferrable_batch(ctx, *, sizes, nbatch, wrap=None, ring=None) -> bool:
-    """Whether a batched read may be lowered as a plain gather (`deferred_read`):
-    one window of each batch element's buffer, not a ring's (whose windows may
-    wrap), not the whole of it (`_each_element_whole`: the storage itself), of a
-    dtype XLA:CPU moves exactly (`DEFERRABLE_DTYPES`)."""
-    storage = ctx.avals_in[0]
-    bshape = tuple(ctx.avals_in[2].shape) if len(ctx.avals_in) > 2 else ()
-    return (
-        nbatch > 0
-        and wrap is None
-        and ring is None
-        and _one_per_batch_element(storage, bshape, nbatch)
-        and not _each_element_whole(storage, bshape, sizes, nbatch)
-        and not _touches_nothing(math.prod(bshape), sizes)
-        and storage.dtype in DEFERRABLE_DTYPES
-    )
-
-
-def _batch_gather(storage, starts, sizes: Sequence[int], nbatch: int):
-    """One window of `sizes` of each batch element's buffer (`nbatch` batch
-    dimensions, which `starts` begin with and the windows are 1 wide in): one
-    gather of the storage, clamping as `lax.dynamic_slice` does (the starts are in
-    range, checked or promised, as every start is). A single `gather` of the
-    storage, not of a reshape of it, and of the windows' own shape: a deferred
-    read's mark is found, and materialised, as the gather's direct user
-    (`_xla.deferred_read`)."""
-    bshape = tuple(starts[0].shape)
-    dtype = jnp.result_type(*starts)
-    indices = jnp.stack([jnp.asarray(st, dtype) for st in starts], axis=-1)
-    dims = lax.GatherDimensionNumbers(
-        offset_dims=tuple(range(len(bshape), len(bshape) + storage.ndim)),
-        collapsed_slice_dims=(),
-        start_index_map=tuple(range(storage.ndim)),
-    )
-    del nbatch  # (the batch positions are the first starts)
-    return lax.gather(
-        storage, indices, dims, tuple(sizes), mode=lax.GatherScatterMode.CLIP
-    )
-
-
-def _reduced_read(storage, *starts, sizes, ring=None, nbatch=0):
-    """`(window, bits)`: the read `_read_impl` makes through a reduction; batched
-    (`nbatch`), the gather of each element's window (`_batch_gather`) behind an
-    `optimization_barrier`, its own bits. The barrier makes the window one value
-    that its readers read: XLA duplicates cheap reads into their readers, and a
-    gather recomputed in a reader after the edit would read the older buffer (a
-    copy). Without it the suite's batched bodies did not copy either; it is the
-    gather's counterpart of the unbatched reduction (`window_by_reduce`)."""
-    if nbatch:
-        (g,) = lax.optimization_barrier(
-            (_batch_gather(storage, starts, sizes, nbatch),)
-        )
-        return g, g
+def _reduced_read(storage, *starts, sizes, ring=None):
+    """`(window, bits)`: the read `_read_impl` makes through a reduction."""
     if ring is not None:
         return _ring_reduced(storage, starts, sizes, ring)
     d = _read_dim(sizes, storage.shape)
@@ -1340,27 +1301,6 @@ def _define(name: str, impl: Callable, abstract: Callable, n_arrays: int) -> Pri
 
             lowered_once_per_call(ctx)
             window, tok = deferred_read(storage, tok, starts, sizes, ring, gather)
-            return [storage, window, tok]
-        if not many and name == "esb_read" and _deferrable_batch(ctx, **params):
-            storage, tok, *starts = args
-            sizes, nb = params["sizes"], params["nbatch"]
-
-            def batch_gather(storage, starts):
-                sub = ctx.replace(
-                    primitive=None,
-                    avals_in=[ctx.avals_in[0], *ctx.avals_in[2:]],
-                    avals_out=[ctx.avals_out[1]],
-                )
-                fn = lambda s, *st: [_batch_gather(s, st, sizes, nb)]
-                (out,) = mlir.lower_fun(fn, multiple_results=True)(
-                    sub, storage, *starts
-                )
-                return out
-
-            lowered_once_per_call(ctx)
-            window, tok = deferred_read(
-                storage, tok, starts, sizes, None, batch_gather, nbatch=nb
-            )
             return [storage, window, tok]
         if name == "esb_accum" and params.get("ring") is None:
             ctx, args = unpadded_window(ctx, args, params["nbatch"])

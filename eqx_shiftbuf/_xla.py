@@ -651,28 +651,19 @@ def window_by_reduce(s, st, sizes, d: int):
 # never computes a wrong one), which `esb.find_loop_copies` shows.
 _DEFERRED_READ = "esb.deferred_read"
 _READ_TOKEN = "esb.read_token"
-# A deferred gather's mark (`deferred_read`): its ring axis (-1: none), its batch
-# dimensions and window sizes.
+# A deferred gather's mark (`deferred_read`): its ring axis and window sizes.
 _RING = "esb.deferred_ring"
 _SIZES = "esb.deferred_sizes"
-_NBATCH = "esb.deferred_nbatch"
 
 
 def deferred_read(
-    storage: ir.Value,
-    tok: ir.Value,
-    starts,
-    sizes,
-    ring=None,
-    gather=None,
-    nbatch: int = 0,
+    storage: ir.Value, tok: ir.Value, starts, sizes, ring=None, gather=None
 ):
     """`(window, token)`: the unbatched read `storage[starts : starts + sizes]`,
     lowered as a plain `dynamic_slice`, for `materialise_deferred_reads` to find.
-    A window of a ring whose rows wrap along the axis `ring`, or a batch of windows
-    (`nbatch` batch dimensions, one window of each batch element's buffer), is a
-    plain gather instead, `gather(storage, starts)` (a `stablehlo.gather` of
-    `storage`), and its mark records `ring`, `nbatch` and `sizes`.
+    A window of a ring whose rows wrap along the axis `ring` is a plain gather
+    instead, `gather(storage, starts)` (a `stablehlo.gather` of `storage`), and
+    its mark records `ring` and `sizes`.
 
     The starts and the token go through one `optimization_barrier` (so that XLA
     sees the starts as run-time values, as in `run_time_indices`, and so that the
@@ -685,24 +676,19 @@ def deferred_read(
     by every copy count of the suite.
     """
     tok, *starts = hlo.OptimizationBarrierOp([tok, *starts]).results
-    gathered = ring is not None or nbatch > 0
-    if not gathered:
+    if ring is None:
         read = hlo.DynamicSliceOp(storage, starts, mlir.dense_int_array(list(sizes)))
         value = read.result
     else:
         assert gather is not None
         value = gather(storage, starts)
         op = _operation(value.owner)
-        # (A batch's windows: the gather, then reshaped to the batch's shape.)
-        assert op is not None and (nbatch > 0 or op.name == "stablehlo.gather")
+        assert op is not None and op.name == "stablehlo.gather"
     window = hlo.ReshapeOp(value.type, value)
     window.operation.attributes[_DEFERRED_READ] = ir.UnitAttr.get()
-    if gathered:
+    if ring is not None:
         i64 = ir.IntegerType.get_signless(64)
-        window.operation.attributes[_RING] = ir.IntegerAttr.get(
-            i64, -1 if ring is None else ring
-        )
-        window.operation.attributes[_NBATCH] = ir.IntegerAttr.get(i64, nbatch)
+        window.operation.attributes[_RING] = ir.IntegerAttr.get(i64, ring)
         window.operation.attributes[_SIZES] = mlir.dense_int_array(list(sizes))
     hook = hlo.ReshapeOp(tok.type, tok)
     hook.operation.attributes[_READ_TOKEN] = ir.UnitAttr.get()
@@ -1139,16 +1125,13 @@ def _materialise(ctx, mark: ir.Operation, reduced: Callable, token_after: Callab
     `token_after(token, bits)`, the token a read returns. Returns `bits`."""
     sliced = _operation(mark.operands[0].owner)
     assert sliced is not None
-    ring, nbatch = None, 0
+    ring = None
     if _RING in mark.attributes:  # a gather (`deferred_read`)
         ring = ir.IntegerAttr(mark.attributes[_RING]).value
-        ring = None if ring < 0 else ring
-        nbatch = ir.IntegerAttr(mark.attributes[_NBATCH]).value
         sizes = tuple(ir.DenseI64ArrayAttr(mark.attributes[_SIZES]))
         barrier = _barrier_above(sliced.operands[1])
         starts = list(barrier.results[1:])
         del mark.attributes[_RING]
-        del mark.attributes[_NBATCH]
         del mark.attributes[_SIZES]
     else:
         barrier = _operation(sliced.operands[1].owner)
@@ -1164,8 +1147,6 @@ def _materialise(ctx, mark: ir.Operation, reduced: Callable, token_after: Callab
     storage = sliced.operands[0]
     avals_in = [_aval_of(storage)] + [_aval_of(i) for i in starts]
     fn = functools.partial(reduced, sizes=sizes, ring=ring)
-    if nbatch:
-        fn = functools.partial(fn, nbatch=nbatch)
     avals_out = [ShapedArray(a.shape, a.dtype) for a in jax.eval_shape(fn, *avals_in)]
     sub = ctx.replace(primitive=None, avals_in=avals_in, avals_out=avals_out)
     with ir.InsertionPoint(sliced):

@@ -375,26 +375,13 @@ def test_a_batch_of_delay_lines_reads_each_tap_across_the_batch(row):
 
 @pytest.mark.parametrize("name", [b.name for b in corpus.BODIES])
 def test_a_batch_of_corpus_steps_copies_nothing(name):
-    # The forward pass alone under `vmap` (`vmap(grad)` is in `test_corpus.py`): a
-    # batch of windows read as one gather, left a gather its consumers fuse until
-    # an edit follows (`_xla.deferred_read`), made `mixed` copy its batch of
-    # buffers every step when that edit did not wait for the gather's result.
+    # The forward pass alone under `vmap` (`vmap(grad)` is in `test_corpus.py`). A
+    # batch of windows read as one deferred gather, of a reshape of the storage,
+    # made `mixed` copy its batch of buffers every step: the next edit did not find
+    # the read, so did not wait for it (`_primitives`' module docstring).
     body = corpus.BODIES_BY_NAME[name]
     p, init, xs = corpus.make_inputs(body, 64, 128, 8)
     fn = jax.vmap(corpus.make_loss(body, corpus.ESB), in_axes=(None, None, 0))
     args = (p, init, corpus.batch_xs(xs, 3))
     copies = esb.find_loop_copies(fn, *args, min_bytes=init.nbytes // 2)
     assert copies == [], "\n".join(map(str, copies))
-
-
-@pytest.mark.parametrize("name", ["slice_matmul_write", "mixed"])
-def test_a_batch_of_window_reads_is_one_gather(name):
-    # Each example's window at its own start: one gather for the batch, as plain
-    # `lax` reads it, materialised only where an edit follows (`_xla.deferred_read`).
-    # It was a loop over the batch, 8 kernels more a step than plain `lax`'s 9
-    # (`slice_matmul_write`: forward 1.3x plain `lax`'s).
-    body = corpus.BODIES_BY_NAME[name]
-    p, init, xs = corpus.make_inputs(body, 100, 64, 50)
-    args = (p, init, corpus.batch_xs(xs, 4))
-    lib = jax.vmap(corpus.make_loss(body, corpus.ESB_PROMISE), in_axes=(None, None, 0))
-    assert len(loop_kernels(lib, *args)) == 1  # the scan's: none over the batch
