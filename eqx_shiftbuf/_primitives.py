@@ -39,9 +39,10 @@ behaviours are in `_xla.py`, each with the test that pins it. So:
   its consumers. Otherwise (batched, complex, or a window of the whole buffer)
   the reads run in their own loop, except a read of the whole buffer, or under
   `vmap` of each batch element's whole buffer, which is the storage itself. Under
-  `vmap`, an access whose indices the batch shares (a Python int, a tap at a
-  static offset from a head the batch shares) is one unbatched access of a window
-  spanning the batch dimension (`_across_the_batch`), as plain `lax` writes it.
+  `vmap`, a read or overwrite whose indices the batch shares (a Python int, a tap
+  at a static offset from a head the batch shares) is one unbatched access of a
+  window spanning the batch dimension (`_across_the_batch`), as plain `lax`
+  writes it; an accumulation (a read's transpose) stays one per element.
   An unbatched read that would be a reduction, of a common dtype, is lowered
   first as a plain slice (`_xla.deferred_read`) and materialised by the lowering
   of the next access that may follow it (`_xla.materialise_deferred_reads`): a
@@ -1983,7 +1984,15 @@ def _across_the_batch(storage, sdim, tok, tdim, starts, wrap, ring):
     for a read (`_read_impl`; a batch of delay lines' eleven taps ran eleven loops
     a step) and a scatter for a write. As gathers instead of loops, the taps were
     2.2x slower still: XLA:CPU fused each into its consumer and split those over
-    threads (the whole batch of buffers counted as the bytes each reads)."""
+    threads (the whole batch of buffers counted as the bytes each reads).
+
+    Reads and overwrites only. An accumulation across the batch (a shared read's
+    transpose under `vmap(grad)`) was not folded into the sum of a buffer's two
+    cotangents (`_xla.fold_cotangent_sum`) where a read and an insert at
+    Python ints near the back of a one-line buffer both used it, and XLA copied
+    the batch of buffers every step (`copy_sweep.py`'s `ds_ins`, `pyneg`;
+    `tests/test_vmap.py`). One per element, `delay_taps`' `vmap(grad)` is 0.11x
+    plain `lax` where it was 0.08x across the batch (0.18x before)."""
     storage = jnp.moveaxis(storage, sdim, 0)
     if tdim is not None:  # one token for the batch, as `_batch_common` reduces it
         tok = jnp.max(tok)
@@ -2008,14 +2017,6 @@ def _read_across_the_batch(args, dims, sizes, wrap, ring):
 
 
 def _accum_batch(args, dims, *, ordered, nbatch, ring=None):
-    if _same_window_of_each_element(args, dims, nbatch, 1):
-        storage, tok, window, *starts = args
-        storage, tok, starts, _, ring = _across_the_batch(
-            storage, dims[0], tok, dims[1], starts, None, ring
-        )
-        window = _move_front(window, dims[2], storage.shape[0])
-        s, t = bind_accum(storage, tok, window, starts, ordered, 0, ring)
-        return (s, t), (0, None)
     storage, tok, (window,), idx, _ = _batch_common(args, dims, 1, write=True)
     nb = len(idx[0].shape)
     window = window.reshape(window.shape[:nb] + (1,) + window.shape[nb:])
