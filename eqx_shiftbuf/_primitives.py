@@ -1961,7 +1961,13 @@ def _same_window_of_each_element(args, dims, nbatch: int, n_leading: int) -> boo
     token, then the starts) touches the same window of each batch element's
     buffer: the storage batched, its starts not (a Python-int index, a delay
     line's taps at static offsets from a head the batch shares), on one device,
-    the token a scalar (`tokens_per_element`)."""
+    the token a scalar (`tokens_per_element`), of a dtype XLA:CPU moves exactly.
+    A bfloat16 or float8 buffer (`moved_as_bits`) keeps one access per element:
+    across the batch, an overwrite then a read, slice or `.array` (`copy_sweep.py`'s
+    `dus_read`, `dus_ds`, `dus_arr` on `(2, 4096)` and `(16, 64, 32)`), and an
+    insert then a read at a negative Python int of a one-line buffer, copied the
+    batch of buffers every step under `vmap` (1), `vmap(grad)` (1) and
+    `jvp(vmap)` (2)."""
     storage, tok, *_ = args
     sdim, tdim, *rest = dims
     return (
@@ -1970,6 +1976,7 @@ def _same_window_of_each_element(args, dims, nbatch: int, n_leading: int) -> boo
         and all(d is None for d in rest[n_leading:])
         and not tokens_per_element(tok, tdim)
         and not on_explicit_mesh(jax.typeof(storage))
+        and not moved_as_bits(storage.dtype)
     )
 
 

@@ -412,3 +412,29 @@ def test_a_batch_of_reads_at_a_python_int_then_an_insert_copies_nothing(shape, a
     fn = jax.vmap(jax.grad(loss, argnums=(0, 1)), in_axes=(None, None, 0))
     copies = esb.find_loop_copies(fn, jnp.float32(0.5), a, xs, min_bytes=a.nbytes)
     assert copies == [], "\n".join(map(str, copies))
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float8_e4m3fn])
+def test_a_batch_of_narrow_overwrites_at_a_python_int_then_a_read_copies_nothing(
+    dtype,
+):
+    # A bfloat16 or float8 buffer is written as bits (`carrier`): overwritten as one
+    # window across the batch, then read, it copied the batch of buffers every
+    # step (1 under `vmap`, 2 under `jvp(vmap)`), so it keeps one access per
+    # element (`_primitives._same_window_of_each_element`).
+    def loss(s, a, xs):
+        def step(b, v):
+            b = b.dynamic_update_slice(jnp.full((1, 16), v * s, dtype), (1, 3))
+            w = b.dynamic_slice((1, 3), (1, 16)).astype(jnp.float32)
+            return b, (w * v).sum()
+
+        b, ys = lax.scan(step, esb.ShiftBuffer(a, axis=1), xs)
+        return (b.array.astype(jnp.float32) ** 2).sum() + ys.sum()
+
+    a = jnp.ones((2, 4096), dtype)
+    xs = jnp.linspace(0.1, 1, 3 * 12, dtype=jnp.float32).reshape(3, 12)
+    vl = jax.vmap(loss, in_axes=(None, None, 0))
+    jvp = lambda s, a, xs: jax.jvp(lambda s: vl(s, a, xs), (s,), (s,))
+    for fn in (vl, jvp):
+        copies = esb.find_loop_copies(fn, jnp.float32(0.5), a, xs, min_bytes=a.nbytes)
+        assert copies == [], "\n".join(map(str, copies))
