@@ -112,7 +112,16 @@ def _check_scalar_index(i: Any, argname: str, pos: int, bound: int) -> Any:
         return arr.astype(jnp.int32)
     # A traced index is checked at run time even where no value is valid: the call
     # may sit in a branch that never runs (a Python int there is still an error).
-    return _Traced(arr, (arr < 0) | (arr > bound), f"{what} is out of range: {valid}")
+    # Compared in the index's own dtype, a bound past its largest value wraps (an
+    # int8 index of a 200-long line: `arr > 199` is `arr > -57`, and a valid index
+    # was an error); every value of such an index is then at most the bound.
+    if bound < 0:
+        bad = arr == arr
+    elif bound >= jnp.iinfo(arr.dtype).max:
+        bad = arr < 0
+    else:
+        bad = (arr < 0) | (arr > bound)
+    return _Traced(arr, bad, f"{what} is out of range: {valid}")
 
 
 class _Traced(NamedTuple):

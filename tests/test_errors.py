@@ -616,6 +616,36 @@ def test_traced_int64_index_out_of_range_is_not_wrapped_into_range(value):
             jax.block_until_ready(run(x, jnp.asarray(value, jnp.int64)))
 
 
+# A narrow index dtype and a line longer than its largest value: a bound compared
+# in the index's own dtype wraps (199 is -57 as an int8), and a valid index was
+# reported out of range.
+NARROW_INDICES = [
+    pytest.param(jnp.int8, 200, id="int8"),
+    pytest.param(jnp.uint8, 300, id="uint8"),
+    pytest.param(jnp.int16, 40000, id="int16"),
+]
+
+
+@requires_raise
+@pytest.mark.parametrize("as_buffer", [False, True], ids=["array", "ShiftBuffer"])
+@pytest.mark.parametrize("dtype, n", NARROW_INDICES)
+def test_a_narrow_traced_index_of_a_long_line_is_checked_in_range(dtype, n, as_buffer):
+    x = jnp.arange(n, dtype=jnp.float32)
+    valid = jnp.iinfo(dtype).max - 1  # every value of the dtype is a valid start
+
+    def run(x, i):
+        b = esb.ShiftBuffer(x) if as_buffer else x
+        b = esb.insert(b, (i,), -1.0)
+        return b.array if as_buffer else b
+
+    if jnp.issubdtype(dtype, jnp.signedinteger):  # (first: a call by the fast path
+        # of `jax.jit`, once compiled, raises a `ValueError` instead)
+        with pytest.raises(RUNTIME_ERRORS, match="out of range"):
+            jax.block_until_ready(jax.jit(run)(x, jnp.asarray(-1, dtype)))
+    got = jax.jit(run)(x, jnp.asarray(valid, dtype))
+    np.testing.assert_array_equal(got, ref.insert(np.asarray(x), (valid,), -1.0, 0))
+
+
 def test_traced_index_in_range_runs_and_matches_numpy():
     x = buffer()
     run = jax.jit(lambda x, r, c: esb.insert(x, (r, c), 9.0))
