@@ -91,7 +91,8 @@ scatters them back shifted (`_each_element`; not a ring's), and a write scatters
 the windows (`_scattered`; a ring's rows wrapping), all at once, as plain `lax`
 under `vmap`. Their JVPs and transposes are still accesses of this family, so
 `grad` adds no scatter-add into zeros. Window reads (not of each element's whole
-buffer, which is the storage itself) still loop. Gathered with the token
+buffer, which is the storage itself) loop unless an edit follows them (below).
+Gathered with the token
 taken from the windows, a read's window was computed twice, for its reader and
 for its token (the natural rows `delay_taps` and `ring_taps` under `vmap`: 1.5-2.1x
 slower). Gathered through a reduction as an unbatched read is (`window_by_reduce`
@@ -117,9 +118,13 @@ loop steps had plain `lax`'s kernels (`slice_matmul_write` 10 against 9,
 gathers fused into their readers were slower than its loops: in one process,
 alternating the two versions three times, `slice_matmul_write` 1.26-1.30x ->
 0.96-1.02x plain `lax`, `ring_taps` 0.49-0.78x -> 1.00-1.32x and its
-`vmap(grad)` 0.09 -> 0.12x. Not kept: whether an edit follows a read is not known
-when it is lowered (swapping a lowered loop for a gather when one does is not
-written).
+`vmap(grad)` 0.09 -> 0.12x. Whether an edit follows a read is not known when it
+is lowered, so a batched window read is lowered as its loop, marked
+(`_xla.deferred_loop_read`), and an edit that follows it swaps the loop for one
+gather behind an `optimization_barrier` (`_reduced_read`), which it waits for;
+XLA drops the loop, now unused. `benchmarks/vmap.py`, one process, alternating
+with the code before twice: `slice_matmul_write` 1.26-1.30x -> 1.03-1.04x plain
+`lax`, `ring_taps` (no edit after its reads: loops) 0.59-0.74x either way.
 """
 
 from __future__ import annotations
@@ -143,6 +148,7 @@ from ._xla import (
     carrier,
     computed_from_scalars,
     DEFERRABLE_DTYPES,
+    deferred_loop_read,
     deferred_read,
     edits_of,
     explicit_sharding,
@@ -166,6 +172,7 @@ from ._xla import (
     pick_by_max,
     rolled_by_reduce,
     run_time_indices,
+    run_time_values,
     split_over_devices,
     to_carrier,
     tokens_per_element,
@@ -1198,8 +1205,55 @@ def _deferrable(ctx, *, sizes, nbatch, wrap=None, ring=None) -> bool:
     )
 
 
-def _reduced_read(storage, *starts, sizes, ring=None):
-    """`(window, bits)`: the read `_read_impl` makes through a reduction."""
+def _deferrable_batch(ctx, *, sizes, nbatch, wrap=None, ring=None) -> bool:
+    """Whether a batched read, which `_read_impl` reads in a loop over the batch,
+    may be marked for an edit after it to make it a gather instead
+    (`deferred_loop_read`): one window of each batch element's buffer, not a
+    ring's (whose windows may wrap), not the whole of it (`_each_element_whole`:
+    the storage itself), of a dtype XLA:CPU moves exactly (`DEFERRABLE_DTYPES`),
+    with one token for the batch."""
+    storage = ctx.avals_in[0]
+    bshape = tuple(ctx.avals_in[2].shape) if len(ctx.avals_in) > 2 else ()
+    return (
+        nbatch > 0
+        and wrap is None
+        and ring is None
+        and ctx.avals_in[1].shape == ()
+        and _one_per_batch_element(storage, bshape, nbatch)
+        and not _each_element_whole(storage, bshape, sizes, nbatch)
+        and not _touches_nothing(math.prod(bshape), sizes)
+        and storage.dtype in DEFERRABLE_DTYPES
+    )
+
+
+def _batch_gather(storage, starts, sizes: Sequence[int]):
+    """One window of `sizes` of each batch element's buffer (the batch dimensions,
+    which `starts` begin with and the windows are 1 wide in): one gather of the
+    storage, clamping as `lax.dynamic_slice` does (the starts are in range, checked
+    or promised, as every start is)."""
+    dtype = jnp.result_type(*starts)
+    indices = jnp.stack([jnp.asarray(st, dtype) for st in starts], axis=-1)
+    bshape = tuple(starts[0].shape)
+    dims = lax.GatherDimensionNumbers(
+        offset_dims=tuple(range(len(bshape), len(bshape) + storage.ndim)),
+        collapsed_slice_dims=(),
+        start_index_map=tuple(range(storage.ndim)),
+    )
+    return lax.gather(
+        storage, indices, dims, tuple(sizes), mode=lax.GatherScatterMode.CLIP
+    )
+
+
+def _reduced_read(storage, *starts, sizes, ring=None, nbatch=0):
+    """`(window, bits)`: the read `_read_impl` makes through a reduction; batched
+    (`nbatch`), the gather of each element's window (`_batch_gather`) behind an
+    `optimization_barrier`, which is its own bits. The barrier makes the windows
+    one value that their readers read: XLA duplicates a gather into its readers,
+    and one recomputed in a reader after the edit would read the older buffer (a
+    copy)."""
+    if nbatch:
+        (g,) = lax.optimization_barrier((_batch_gather(storage, starts, sizes),))
+        return g, g
     if ring is not None:
         return _ring_reduced(storage, starts, sizes, ring)
     d = _read_dim(sizes, storage.shape)
@@ -1303,6 +1357,14 @@ def _define(name: str, impl: Callable, abstract: Callable, n_arrays: int) -> Pri
             lowered_once_per_call(ctx)
             window, tok = deferred_read(storage, tok, starts, sizes, ring, gather)
             return [storage, window, tok]
+        if not many and name == "esb_read" and _deferrable_batch(ctx, **params):
+            storage, tok, *starts = args
+            tok, *starts = run_time_values([tok, *starts])
+            lowered_once_per_call(ctx)
+            _, window, after = plain(ctx, storage, tok, *starts, **params)
+            window, after = deferred_loop_read(storage, tok, starts, window, after)
+            marked_read(storage, after)  # for a later edit to wait for
+            return [storage, window, after]
         if name == "esb_accum" and params.get("ring") is None:
             ctx, args = unpadded_window(ctx, args, params["nbatch"])
         onto_zeros = False

@@ -695,6 +695,52 @@ def deferred_read(
     return window.result, hook.result
 
 
+# A batch of windows, one of each batch element's buffer, read in a loop over the
+# batch (`_primitives._read_impl`): the loop is materialised already (its result is
+# a value XLA writes out), and stays where no edit follows it. XLA:CPU runs a
+# batch of one-row reads (a delay line's taps) faster as loops than as gathers fused
+# into their readers. An edit that follows it replaces it by one gather of the
+# storage behind an `optimization_barrier` (`_materialise`), as a read it must
+# wait for: the gather is one kernel where the loop's set-up is eight, which past
+# XLA:CPU's threshold of eight kernels a loop body (`benchmarks/experiments/
+# thunk_threshold.py`) made a batch of `slice_matmul_write` steps 1.3x plain
+# `lax`'s forward. The unused tuple `_LOOP_READ` holds what the gather is made
+# from: the storage, the window's mark, the token's hook, the token and the starts.
+_LOOP_READ = "esb.loop_read"
+
+
+def run_time_values(values: list) -> list:
+    """`values` through one `optimization_barrier`: XLA sees them as run-time
+    values, and a deferred read's starts and token are found as its results."""
+    return list(hlo.OptimizationBarrierOp(values).results)
+
+
+def deferred_loop_read(
+    storage: ir.Value, tok: ir.Value, starts, window: ir.Value, tok_after: ir.Value
+) -> tuple[ir.Value, ir.Value]:
+    """`(window, token)`: a batch of windows read by a loop over the batch
+    (`window`, its token `tok_after`), marked so that an edit that follows it
+    replaces the loop by a gather of `storage` at `starts` (`_materialise`), its
+    token then made from `tok` (the loop's operand token, passed through the
+    `optimization_barrier` that `starts` come from, as in `deferred_read`)."""
+    mark = hlo.ReshapeOp(window.type, window)
+    mark.operation.attributes[_DEFERRED_READ] = ir.UnitAttr.get()
+    hook = hlo.ReshapeOp(tok_after.type, tok_after)
+    hook.operation.attributes[_READ_TOKEN] = ir.UnitAttr.get()
+    info = hlo.TupleOp([storage, mark.result, hook.result, tok, *starts])
+    info.operation.attributes[_LOOP_READ] = ir.UnitAttr.get()
+    return mark.result, hook.result
+
+
+def _loop_read_info(mark: ir.Operation) -> ir.Operation | None:
+    """The `_LOOP_READ` tuple of a deferred loop read's window mark, if it is one."""
+    for use in mark.result.uses:
+        op = _operation(use.owner)
+        if op is not None and _LOOP_READ in op.attributes:
+            return op
+    return None
+
+
 def _barrier_above(v: ir.Value) -> ir.Operation:
     """The `optimization_barrier` a deferred gather's indices are computed from."""
     todo = [v]
@@ -814,7 +860,7 @@ def after_marked_reads(storage: ir.Value, tok: ir.Value, module) -> ir.Value:
     return tok
 
 
-_MARKS = (_EDIT_OF, _EDIT_TOKEN, _DEFERRED_READ, _READ_TOKEN, _READ_WAIT)
+_MARKS = (_EDIT_OF, _EDIT_TOKEN, _DEFERRED_READ, _READ_TOKEN, _READ_WAIT, _LOOP_READ)
 
 
 def _pure(op: ir.Operation, module) -> bool:
@@ -941,6 +987,15 @@ def _marks(values) -> list:
     for value in values:
         for use in value.uses:
             sliced = _operation(use.owner)
+            if (
+                sliced is not None
+                and _LOOP_READ in sliced.attributes
+                and use.operand_number == 0
+            ):
+                mark = _operation(sliced.operands[1].owner)
+                if mark is not None and _DEFERRED_READ in mark.attributes:
+                    out.append(mark)
+                continue
             if (
                 sliced is None
                 or sliced.name not in ("stablehlo.dynamic_slice", "stablehlo.gather")
@@ -1123,6 +1178,9 @@ def _materialise(ctx, mark: ir.Operation, reduced: Callable, token_after: Callab
     """Turn the deferred read whose window is `mark` into `reduced(storage,
     *starts, sizes=...) -> (window, bits)`, in its place, and its token hook into
     `token_after(token, bits)`, the token a read returns. Returns `bits`."""
+    info = _loop_read_info(mark)
+    if info is not None:
+        return _materialise_loop(ctx, mark, info, reduced, token_after)
     sliced = _operation(mark.operands[0].owner)
     assert sliced is not None
     ring = None
@@ -1165,6 +1223,44 @@ def _materialise(ctx, mark: ir.Operation, reduced: Callable, token_after: Callab
     with ir.InsertionPoint(hook):
         (new_tok,) = mlir.lower_fun(waited, multiple_results=True)(sub, tok, bits)
     hook.operands[0] = new_tok
+    del hook.attributes[_READ_TOKEN]
+    return bits, avals_out[1]
+
+
+def _materialise_loop(
+    ctx,
+    mark: ir.Operation,
+    info: ir.Operation,
+    reduced: Callable,
+    token_after: Callable,
+):
+    """`_materialise` for a deferred loop read (`deferred_loop_read`): its window
+    and token made from `reduced(storage, *starts, sizes=..., nbatch=...)`, a gather
+    behind a barrier, in place of the loop's, which is then unused."""
+    storage, _, hook_value, tok, *starts = info.operands
+    hook = _operation(hook_value.owner)
+    assert hook is not None and _READ_TOKEN in hook.attributes
+    window_aval = _aval_of(mark.result)
+    nbatch = len(_aval_of(starts[0]).shape)  # the windows' batch dimensions
+    sizes = tuple(window_aval.shape[nbatch:])
+    avals_in = [_aval_of(storage)] + [_aval_of(i) for i in starts]
+    fn = functools.partial(reduced, sizes=sizes, ring=None, nbatch=nbatch)
+    avals_out = [ShapedArray(a.shape, a.dtype) for a in jax.eval_shape(fn, *avals_in)]
+    sub = ctx.replace(primitive=None, avals_in=avals_in, avals_out=avals_out)
+    with ir.InsertionPoint(mark):
+        window, bits = mlir.lower_fun(fn, multiple_results=True)(sub, storage, *starts)
+    tok_aval = _aval_of(tok)
+    sub = ctx.replace(
+        primitive=None, avals_in=[tok_aval, avals_out[1]], avals_out=[tok_aval]
+    )
+    with ir.InsertionPoint(hook):
+        (new_tok,) = mlir.lower_fun(
+            lambda t, b: [token_after(t, b)], multiple_results=True
+        )(sub, tok, bits)
+    info.erase()
+    mark.operands[0] = window
+    hook.operands[0] = new_tok
+    del mark.attributes[_DEFERRED_READ]
     del hook.attributes[_READ_TOKEN]
     return bits, avals_out[1]
 
