@@ -447,8 +447,11 @@ def check_starts(
     op: str,
     error: Any = None,
     defer: bool = False,
+    folded: bool = False,
 ) -> tuple[list[jax.Array], Any]:
-    """Start indices of a window of `sizes` that must lie inside `shape`."""
+    """Start indices of a window of `sizes` that must lie inside `shape`. `folded`:
+    the read of the window may be folded away (`foldable`), so the check runs on
+    the side, as for a window of no element."""
     entries = _index_entries(starts, argname, len(shape), "one per buffer dimension")
     return _raise_traced(
         [
@@ -461,8 +464,25 @@ def check_starts(
         sizes=sizes,
         error=error,
         defer=defer,
-        empty=math.prod(sizes) == 0,
+        empty=math.prod(sizes) == 0 or folded,
     )
+
+
+def foldable(storage: Any) -> bool:
+    """Whether XLA may replace a window of `storage` by a constant or a broadcast,
+    dropping its start, and with it a check threaded into the start: `storage` is
+    a constant of the program (an array closed over), or, in the program being
+    traced, a broadcast of a scalar (`ShiftBuffer.zeros`, `jnp.full`, read before
+    any edit). A `dynamic_slice` of either does not depend on its start, and an
+    out-of-range start read zeros with no error. Read off the trace itself (the
+    producing equation), so no state is kept."""
+    if not isinstance(storage, Tracer):
+        return True
+    eqn = getattr(storage, "parent", None)  # jit's tracer: the producing equation
+    if getattr(eqn, "primitive", None) is not lax.broadcast_in_dim_p:
+        return False
+    operand = eqn.invars[0] if eqn.invars else None
+    return operand is not None and jnp.ndim(getattr(operand, "aval", operand)) == 0
 
 
 def check_window_args(start_indices: Any, slice_sizes: Any) -> None:
@@ -810,6 +830,7 @@ def read_window(
         mode,
         op="dynamic_slice",
         error=b.error,
+        folded=foldable(b.storage),
     )
     head = _ring_head(b.ring)
     if head is not None and b.ring is not None and math.prod(sizes) > 0:

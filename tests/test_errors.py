@@ -646,6 +646,29 @@ def test_a_narrow_traced_index_of_a_long_line_is_checked_in_range(dtype, n, as_b
     np.testing.assert_array_equal(got, ref.insert(np.asarray(x), (valid,), -1.0, 0))
 
 
+# A read of a constant buffer (closed over) or of a broadcast scalar (a buffer made
+# by `zeros` and read before any edit): XLA folds the window into a constant or a
+# broadcast, dropping its start, and a check threaded into the start with it.
+FOLDED_READS = {
+    "closed-over zeros": lambda s: esb.dynamic_slice(jnp.zeros(4), (s,), (2,)),
+    "closed-over ones ShiftBuffer": lambda s: esb.ShiftBuffer(
+        jnp.ones((3, 4))
+    ).dynamic_slice((0, s), (1, 2)),
+    "zeros made inside": lambda s: esb.ShiftBuffer.zeros((4, 5)).dynamic_slice(
+        (s, 0), (2, 1)
+    ),
+    "full made inside": lambda s: esb.read(jnp.full((4,), s * 1.0), (s,), (2,))[1],
+}
+
+
+@requires_raise
+@pytest.mark.parametrize("read", list(FOLDED_READS))
+def test_a_traced_out_of_range_read_of_a_constant_buffer_raises(read):
+    run = jax.jit(FOLDED_READS[read])
+    with pytest.raises(RUNTIME_ERRORS, match="out of range"):
+        jax.block_until_ready(run(jnp.int32(3)))
+
+
 def test_traced_index_in_range_runs_and_matches_numpy():
     x = buffer()
     run = jax.jit(lambda x, r, c: esb.insert(x, (r, c), 9.0))
