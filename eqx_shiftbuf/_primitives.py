@@ -631,7 +631,9 @@ def _ring_read_impl(storage, tok, starts, sizes: Sequence[int], ring: int):
     return from_carrier(storage, dtype), out, tok
 
 
-def _swap_impl(storage, tok, update, *starts, read, nbatch=0, ring=None, ordered=False):
+def _swap_impl(
+    storage, tok, update, *starts, read, nbatch=0, ring=None, ordered=False, wide=False
+):
     tok_in = tok
     bshape, size = _batch_size(starts)
     if _touches_nothing(size, update.shape[len(bshape) :]):
@@ -671,8 +673,9 @@ def _swap_impl(storage, tok, update, *starts, read, nbatch=0, ring=None, ordered
         # followed by a read, a slice, `.array` or a pop, every mode). With 3
         # dimensions or more an overwrite then a pop copied under `jvp` (2 a step
         # on `(8, 32, 64)`, `(8, 1, 64)` and `(4, 3, 5, 64)` buffers); a 1-D
-        # buffer's one-element writes were not swept, and stay widened.
-        if size == 1 and not moved_as_bits(dtype) and s.ndim != 2:
+        # buffer's one-element writes were not swept, and stay widened. `wide`
+        # (a tangent's write, `_swap_jvp`): widened whatever the rank.
+        if size == 1 and not moved_as_bits(dtype) and (s.ndim != 2 or wide):
             return widened_write(s, _element(starts, j), u.shape, lambda old: u)
         return lax.dynamic_update_slice(s, u, _element(starts, j))
 
@@ -719,7 +722,7 @@ def _scattered(storage, tok, update, starts, nbatch: int, ring: int | None = Non
 
 
 def _swap_abstract(
-    storage, tok, update, *starts, read, nbatch, ring=None, ordered=False
+    storage, tok, update, *starts, read, nbatch, ring=None, ordered=False, wide=False
 ):
     return storage, _batch_aval(storage, update.shape, update.dtype, nbatch), tok
 
@@ -1510,15 +1513,19 @@ def bind_accum(storage, tok, window, starts, ordered=False, nbatch=0, ring=None)
     )
 
 
-def bind_swap(storage, tok, update, starts, read=True, nbatch=0, ring=None):
+def bind_swap(storage, tok, update, starts, read=True, nbatch=0, ring=None, wide=False):
     """`(storage, old window, token)`.
 
     `ring`: the axis along which the window's rows wrap round the end of the
     storage (a window of a ring, `_ops._ring_update`): row `i` is written at
-    `(starts[ring] + i) % storage.shape[ring]`, by a scatter."""
+    `(starts[ring] + i) % storage.shape[ring]`, by a scatter. `wide`: a window
+    of one element along a dimension of the buffer is written 2 wide there
+    (`widened_write`) whatever the buffer's rank."""
     # Without them, the parameters are left out: the equation is as before they
     # existed.
     extra = {} if ring is None else {"ring": ring}
+    if wide and nbatch == 0 and ring is None:
+        extra["wide"] = True
     if read and ring is None and nbatch == 0 and _after_a_whole_line_shift(storage):
         # The old window is read in a loop of its own: read through a reduction,
         # XLA:CPU fused the shift's `select` over the whole buffer into it, which
@@ -1719,14 +1726,21 @@ def _accum_jvp(primals, tangents, *, ordered, nbatch, ring=None):
     return out, list(t_out)
 
 
-def _swap_jvp(primals, tangents, *, read, nbatch, ring=None, ordered=False):
+def _swap_jvp(primals, tangents, *, read, nbatch, ring=None, ordered=False, wide=False):
     storage, tok, update, *starts = primals
-    out = bind_swap(storage, tok, update, starts, read, nbatch, ring)
+    out = bind_swap(storage, tok, update, starts, read, nbatch, ring, wide)
     ts, tt, tu = tangents[0], tangents[1], tangents[2]
     if _all_zero(ts, tu):
         return out, [_zero_tangent(out[0]), _zero_tangent(out[1]), tt]
     ts, tu = _inst(ts, storage), _inst(tu, update)
-    return out, list(bind_swap(ts, _inst(tt, tok), tu, starts, read, nbatch, ring))
+    # The tangent's write is widened (`widened_write`) on a buffer of 2 dimensions
+    # too: written as its window, a row of a `(T, D)` buffer written then a
+    # window of several rows read (a local-attention cache), XLA fused the
+    # tangent's write into the tangent window's read, which then read the
+    # tangent buffer from before the write: 2 copies a step under `jvp`, where
+    # the primal's identical write and read copied nothing.
+    t_out = bind_swap(ts, _inst(tt, tok), tu, starts, read, nbatch, ring, True)
+    return out, list(t_out)
 
 
 def _insert_jvp(primals, tangents, *, axis, ordered, nbatch):
@@ -1837,7 +1851,16 @@ def _accum_transpose(cts, storage, tok, window, *starts, ordered, nbatch, ring=N
 
 
 def _swap_transpose(
-    cts, storage, tok, update, *starts, read, nbatch, ring=None, ordered=False
+    cts,
+    storage,
+    tok,
+    update,
+    *starts,
+    read,
+    nbatch,
+    ring=None,
+    ordered=False,
+    wide=False,
 ):
     ct_s, ct_old, ct_t = cts
     if _all_zero(ct_s, ct_old):
@@ -2158,7 +2181,7 @@ def _accum_batch(args, dims, *, ordered, nbatch, ring=None):
     return (s, t), (0, _tdim(t))
 
 
-def _swap_batch(args, dims, *, read, nbatch, ring=None, ordered=False):
+def _swap_batch(args, dims, *, read, nbatch, ring=None, ordered=False, wide=False):
     if _same_window_of_each_element(args, dims, nbatch, 1):
         storage, tok, update, *starts = args
         storage, tok, starts, _, ring = _across_the_batch(

@@ -604,6 +604,38 @@ def test_a_one_line_overwrite_of_a_2d_buffer_runs_plain_lax_s_kernels():
     assert lib <= plain
 
 
+@pytest.mark.parametrize("mode", ["fwd", "grad", "jvp", "jvp(vmap)"])
+def test_a_row_written_then_a_window_of_rows_read_copies_nothing(mode):
+    # A local-attention cache `(T, D)`: each step writes row `t` from the carried
+    # state, then reads the last rows. Written as its window, the tangent's row
+    # was fused by XLA into the tangent window's read, which then read the
+    # tangent buffer from before the write: 2 copies a step under `jvp`.
+    t_len, d, w = 128, 32, 8
+
+    def loss(p, init, xs):
+        def step(carry, inp):
+            b, h = carry
+            t, x = inp
+            b = b.dynamic_update_slice((p @ h)[None], (t, 0))
+            b, k = b.read((jnp.maximum(t - w + 1, 0), 0), (w, d))
+            h = jnp.tanh(h + x + k.T @ (k @ x))
+            return (b, h), (h**2).sum()
+
+        carry = (esb.ShiftBuffer.from_array(init), jnp.zeros(d))
+        return lax.scan(step, carry, xs)[1].sum()
+
+    p = 0.1 * jnp.cos(jnp.arange(d * d, dtype=jnp.float32)).reshape(d, d)
+    xs = (
+        jnp.arange(t_len, dtype=jnp.int32),
+        0.05 * jnp.sin(jnp.arange(t_len * d, dtype=jnp.float32)).reshape(t_len, d),
+    )
+    if "vmap" in mode:  # three sequences of inputs
+        xs = (jnp.stack([xs[0]] * 3), jnp.stack([xs[1] * (k + 1) for k in range(3)]))
+    fn = natural.program(mode, loss)
+    copies = esb.find_loop_copies(fn, p, jnp.zeros((t_len, d)), xs, min_bytes=8192)
+    assert copies == [], "\n".join(map(str, copies))
+
+
 @pytest.mark.parametrize("shape", [(8, 64), (8, 32, 64), (4, 3, 5, 64)])
 def test_an_insert_then_a_read_copies_nothing_under_grad(shape):
     # The read's cotangent is accumulated through a window 2 wide in each
