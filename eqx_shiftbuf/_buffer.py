@@ -190,7 +190,7 @@ class ShiftBuffer(eqx.Module):
     @classmethod
     def zeros(
         cls,
-        shape: Sequence[int],
+        shape: int | Sequence[int],
         dtype: Any = jnp.float32,
         *,
         axis: int = -1,
@@ -200,7 +200,8 @@ class ShiftBuffer(eqx.Module):
 
         **Arguments:**
 
-        - `shape`: the logical shape, at least 1-D.
+        - `shape`: the logical shape, at least 1-D (an int `n` is `(n,)`, as for
+          `jnp.zeros`).
         - `dtype`: any JAX dtype; integer and bool buffers work but are not
           differentiable.
         - `axis`, `fill`: as for [`eqx_shiftbuf.ShiftBuffer.from_array`][].
@@ -209,7 +210,15 @@ class ShiftBuffer(eqx.Module):
 
         The `ShiftBuffer`.
         """
-        return cls(jnp.zeros(tuple(shape), dtype), axis, fill)
+        if isinstance(shape, (int, np.integer)) and not isinstance(shape, bool):
+            shape = (int(shape),)
+        try:
+            shape = tuple(int(n) for n in shape)
+        except (TypeError, ValueError) as e:
+            raise TypeError(
+                f"`shape` must be an int or a sequence of ints; got {shape!r}."
+            ) from e
+        return cls(jnp.zeros(shape, dtype), axis, fill)
 
     # -- the logical view
 

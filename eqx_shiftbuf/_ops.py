@@ -528,14 +528,39 @@ def check_value(
             f"`{argname}` must have shape {tuple(shape)} ({what}); got shape "
             f"{arr.shape}."
         )
+    dtype = jnp.dtype(dtype)
     if jnp.issubdtype(arr.dtype, jnp.inexact) and not jnp.issubdtype(
         dtype, jnp.inexact
     ):
+        kind = (
+            "a bool buffer holds bools"
+            if dtype == jnp.bool_
+            else ("an integer buffer holds integers")
+        )
         raise TypeError(
             f"`{argname}` has floating dtype {arr.dtype} but the buffer has dtype "
-            f"{jnp.dtype(dtype)}: an integer buffer holds integers only (it is not "
-            "differentiable)."
+            f"{dtype}: {kind} only (it is not differentiable)."
         )
+    if jnp.issubdtype(arr.dtype, jnp.complexfloating) and not jnp.issubdtype(
+        dtype, jnp.complexfloating
+    ):
+        # (`jnp`'s `.at[].set` warns that this will be an error; `lax` refuses it.)
+        raise TypeError(
+            f"`{argname}` has complex dtype {arr.dtype} but the buffer has dtype "
+            f"{dtype}: writing it would drop the imaginary part. Take `.real` "
+            "explicitly if that is meant."
+        )
+    if jnp.issubdtype(dtype, jnp.integer) and not isinstance(arr, Tracer):
+        # A concrete integer that the buffer's dtype cannot hold would wrap (300
+        # into int8 is 44, -1 into uint8 is 255).
+        info = jnp.iinfo(dtype)
+        values = np.asarray(arr)
+        if values.size and (values.min() < info.min or values.max() > info.max):
+            bad = values.min() if values.min() < info.min else values.max()
+            raise OverflowError(
+                f"`{argname}` holds {bad}, which the buffer's dtype {dtype} cannot "
+                f"hold (its values are {info.min} to {info.max})."
+            )
     return arr.astype(dtype)
 
 
@@ -901,7 +926,9 @@ def insert_at(b: Leaves, index: Any, value: Any, axis: int, mode: str | None) ->
         index, shape, axis, mode, op="insert", error=b.error, defer=True
     )
     vshape = shape[axis + 1 :]
-    val = check_value(value, vshape, b.storage.dtype, "value", f"x.shape[{axis}+1:]")
+    val = check_value(
+        value, vshape, b.storage.dtype, "value", f"the buffer's shape past axis {axis}"
+    )
     cap, head = shape[axis], _ring_head(b.ring)
     h = jnp.int32(0) if head is None else head
     end = None if b.ring is None else _static_end(index, axis, cap)

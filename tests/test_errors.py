@@ -775,7 +775,9 @@ def test_bare_scalar_index_for_a_2d_line_is_a_type_error():
 def test_insert_value_of_the_wrong_shape_is_a_value_error():
     with pytest.raises(
         ValueError,
-        match=re.escape("`value` must have shape () (x.shape[1+1:]); got shape (2,)."),
+        match=re.escape(
+            "`value` must have shape () (the buffer's shape past axis 1); got shape (2,)."
+        ),
     ):
         esb.insert(buffer(), (0, 1), jnp.ones(2))
 
@@ -785,7 +787,7 @@ def test_insert_feature_vector_of_the_wrong_shape_is_a_value_error():
     with pytest.raises(
         ValueError,
         match=re.escape(
-            "`value` must have shape (3,) (x.shape[1+1:]); got shape (4,)."
+            "`value` must have shape (3,) (the buffer's shape past axis 1); got shape (4,)."
         ),
     ):
         esb.insert(x, (0, 1), jnp.ones(4), axis=1)
@@ -955,6 +957,61 @@ def test_writing_a_float_into_an_int32_buffer_is_a_type_error_even_without_grad(
         ),
     ):
         esb.insert(buffer(jnp.int32), (0, 1), jnp.float32(2.0))
+
+
+# Writes that would change a value, not only its type: `lax` refuses them, and
+# `jnp`'s `.at[].set` warns that the complex one will be an error.
+LOSSY_WRITES = {
+    "complex into float32": (
+        lambda: esb.insert(jnp.zeros(3, jnp.float32), (0,), jnp.complex64(1 + 2j)),
+        TypeError,
+        "`value` has complex dtype complex64 but the buffer has dtype float32: "
+        "writing it would drop the imaginary part",
+    ),
+    "complex update into float32": (
+        lambda: esb.dynamic_update_slice(
+            jnp.zeros(3, jnp.float32), jnp.ones(1, jnp.complex64), (0,)
+        ),
+        TypeError,
+        "`update` has complex dtype complex64",
+    ),
+    "300 into int8": (
+        lambda: esb.insert(jnp.zeros(3, jnp.int8), (0,), 300),
+        OverflowError,
+        "`value` holds 300, which the buffer's dtype int8 cannot hold (its values "
+        "are -128 to 127)",
+    ),
+    "-1 into uint8": (
+        lambda: esb.ShiftBuffer(jnp.zeros(3, jnp.uint8)).insert(0, jnp.int32(-1)),
+        OverflowError,
+        "`value` holds -1, which the buffer's dtype uint8 cannot hold",
+    ),
+    "a float into a bool buffer": (
+        lambda: esb.insert(jnp.zeros(3, bool), (0,), 0.5),
+        TypeError,
+        "but the buffer has dtype bool: a bool buffer holds bools only",
+    ),
+}
+
+
+@pytest.mark.parametrize("write", list(LOSSY_WRITES))
+def test_a_write_that_would_change_its_value_is_an_error(write):
+    fn, error, message = LOSSY_WRITES[write]
+    with pytest.raises(error, match=re.escape(message)):
+        fn()
+
+
+def test_values_that_fit_are_cast_to_the_buffer_s_dtype():
+    got = esb.insert(jnp.zeros(3, jnp.int8), (0,), jnp.int32(-128))
+    np.testing.assert_array_equal(got, np.array([-128, 0, 0], np.int8))
+    got = esb.insert(jnp.zeros(3, jnp.bfloat16), (1,), jnp.float32(0.5))
+    assert got.dtype == jnp.bfloat16 and float(got[1]) == 0.5
+
+
+def test_zeros_takes_an_int_shape_as_jnp_zeros_does():
+    assert esb.ShiftBuffer.zeros(5).shape == (5,)
+    with pytest.raises(TypeError, match="`shape` must be an int or a sequence"):
+        esb.ShiftBuffer.zeros(None)  # type: ignore[arg-type]
 
 
 def test_an_int32_buffer_carried_through_grad_gets_a_float0_cotangent():
