@@ -782,11 +782,24 @@ def _write_line_window(b: Leaves, idx: list, axis: int, at: int, new, head) -> L
     return b._replace(storage=storage, token=tok)
 
 
+@functools.partial(jax.custom_jvp, nondiff_argnums=(1,))
 def _joined(parts: list, axis: int):
     """`parts` concatenated along `axis`, as bits (`_xla.carrier`): XLA:CPU moves
-    the bfloat16 and float8 values of a concatenation through float32."""
+    the bfloat16 and float8 values of a concatenation through float32.
+
+    Its derivative is the concatenation of the tangents (`_joined_jvp`): through
+    the bits, an integer type, JAX's autodiff saw a constant, and a shift of a
+    bfloat16 or float8 ring at a Python-int position beside an end (moved as a
+    window, `_windowed_insert`) gave every element it moved, and the inserted
+    value, a zero gradient (`tests/test_gradients.py`)."""
     dtype = parts[0].dtype
     return from_carrier(jnp.concatenate([to_carrier(x) for x in parts], axis), dtype)
+
+
+@_joined.defjvp
+def _joined_jvp(axis: int, primals: tuple, tangents: tuple):
+    (parts,), (dparts,) = primals, tangents
+    return _joined(parts, axis), jnp.concatenate(list(dparts), axis)
 
 
 def _windowed_insert(b: Leaves, idx: list, axis: int, val, h, p: int, side: str):

@@ -388,3 +388,51 @@ def test_a_scans_gradient_saves_no_integers_when_the_indices_are_scan_inputs(kin
     hlo = jax.jit(jax.grad(loss, argnums=(0, 1))).lower(*args).compile().as_text()
     saved = re.findall(rf"%\S*dynamic-update-slice\S* = s32\[{steps}[,\]]", hlo)
     assert saved == []
+
+
+def _narrow_ring_losses(op: str, p: int, n: int):
+    """`(library loss, plain jnp loss)` of `(x, v)`: a shift at the Python-int
+    position `p` of a 1-D buffer (a ring), read whole and weighted."""
+    w = jnp.cos(jnp.arange(n, dtype=jnp.float32))
+
+    def lib(x, v):
+        b, r = esb.ShiftBuffer.from_array(x), jnp.float32(0)
+        if op == "insert":
+            b = b.insert(p, v.astype(x.dtype))
+        elif op == "pop":
+            b, r = b.pop(p)
+            r = 5 * r.astype(jnp.float32)
+        else:
+            b = b.delete(p)
+        return (w * b.array.astype(jnp.float32)).sum() + r
+
+    def plain(x, v):
+        v = v.astype(x.dtype).astype(jnp.float32)  # rounded as the library's is
+        x, r = x.astype(jnp.float32), jnp.float32(0)
+        if op == "insert":
+            y = jnp.concatenate([x[:p], v[None], x[p:-1]])
+        else:
+            y = jnp.concatenate([x[:p], x[p + 1 :], jnp.zeros(1)])
+            r = 5 * x[p] if op == "pop" else r
+        return (w * y).sum() + r
+
+    return lib, plain
+
+
+@pytest.mark.parametrize("p", [1, 10], ids=["beside-front", "beside-back"])
+@pytest.mark.parametrize("op", ["insert", "pop", "delete"])
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float8_e4m3fn])
+def test_a_narrow_ring_shift_beside_an_end_has_plain_autodiff_derivatives(dtype, op, p):
+    # Beside an end, a ring's shift moves a window whose parts were joined as
+    # bits (integers, a constant to autodiff): every element moved, and the
+    # inserted value, had a zero gradient in bfloat16 and float8.
+    lib, plain = _narrow_ring_losses(op, p, 12)
+    x, v = jnp.arange(12, dtype=jnp.float32).astype(dtype), jnp.float32(1.0)
+    for got, want in zip(jax.grad(lib, (0, 1))(x, v), jax.grad(plain, (0, 1))(x, v)):
+        np.testing.assert_allclose(
+            np.asarray(got, np.float32), np.asarray(want, np.float32), rtol=1e-2
+        )
+    t = jnp.ones(12, dtype)
+    got = jax.jvp(lambda x: lib(x, v), (x,), (t,))[1]
+    want = jax.jvp(lambda x: plain(x, v), (x,), (t,))[1]
+    np.testing.assert_allclose(got, want, rtol=1e-2, atol=1e-2)
