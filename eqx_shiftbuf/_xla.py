@@ -906,10 +906,39 @@ def _movable(v: ir.Value, block: ir.Block, before: list, moves: list, module) ->
         return True
     if not _pure(owner, module):
         return False
-    if not all(_movable(x, block, before, moves, module) for x in owner.operands):
+    used = [*owner.operands, *_captured(owner)]
+    if not all(_movable(x, block, before, moves, module) for x in used):
         return False
     moves.append(owner)
     return True
+
+
+def _captured(op: ir.Operation) -> list:
+    """The values that the operations in `op`'s regions use and that are defined
+    outside it: a conditional's branches read values from around it without
+    taking them as operands (JAX lowers `lax.cond` so). Moved without them, an
+    index check's conditional came before what its branches read, which MLIR's
+    verifier refuses ("operand does not dominate this use": the gradient of a
+    checkpointed `esb.scan` whose step edits inside a nested `jax.jit`, then
+    reads the buffer from before the edit)."""
+    inside, used = [], []
+
+    def visit(o):
+        for region in o.regions:
+            for block in region.blocks:
+                inside.extend(block.arguments)
+                for nested in block.operations:
+                    nested = nested.operation
+                    used.extend(nested.operands)
+                    inside.extend(nested.results)
+                    visit(nested)
+
+    visit(op)
+    out = []
+    for v in used:
+        if not any(v == w for w in inside) and not any(v == w for w in out):
+            out.append(v)
+    return out
 
 
 def lowered_at(anchor: ir.Operation, lower: Callable) -> Any:
