@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 import equinox as eqx
 import jax.numpy as jnp
@@ -210,15 +210,15 @@ class ShiftBuffer(eqx.Module):
 
         The `ShiftBuffer`.
         """
-        if isinstance(shape, (int, np.integer)) and not isinstance(shape, bool):
-            shape = (int(shape),)
+        one = isinstance(shape, (int, np.integer)) and not isinstance(shape, bool)
         try:
-            shape = tuple(int(n) for n in shape)
+            given = cast(Any, shape)
+            dims = (int(given),) if one else tuple(int(n) for n in given)
         except (TypeError, ValueError) as e:
             raise TypeError(
                 f"`shape` must be an int or a sequence of ints; got {shape!r}."
             ) from e
-        return cls(jnp.zeros(shape, dtype), axis, fill)
+        return cls(jnp.zeros(dims, dtype), axis, fill)
 
     # -- the logical view
 

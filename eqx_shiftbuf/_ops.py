@@ -479,9 +479,10 @@ def foldable(storage: Any) -> bool:
     if not isinstance(storage, Tracer):
         return True
     eqn = getattr(storage, "parent", None)  # jit's tracer: the producing equation
-    if getattr(eqn, "primitive", None) is not lax.broadcast_in_dim_p:
+    if eqn is None or getattr(eqn, "primitive", None) is not lax.broadcast_in_dim_p:
         return False
-    operand = eqn.invars[0] if eqn.invars else None
+    invars = getattr(eqn, "invars", ())
+    operand = invars[0] if invars else None
     return operand is not None and jnp.ndim(getattr(operand, "aval", operand)) == 0
 
 

@@ -2114,11 +2114,12 @@ def _literal_zeros(x) -> bool:
     trace itself (`_producer`), so no state is kept; where the trace does not say,
     False."""
     eqn = getattr(x, "parent", None)
-    if getattr(eqn, "primitive", None) is not lax.broadcast_in_dim_p:
+    if eqn is None or getattr(eqn, "primitive", None) is not lax.broadcast_in_dim_p:
         return False
-    literal = getattr(eqn.invars[0], "val", None) if eqn.invars else None
+    invars = getattr(eqn, "invars", ())
+    literal = getattr(invars[0], "val", None) if invars else None
     value = getattr(literal, "val", None)
-    return type(literal).__name__ == "Literal" and np.all(np.asarray(value) == 0)
+    return type(literal).__name__ == "Literal" and bool(np.all(np.asarray(value) == 0))
 
 
 def _windows_onto_zeros(args, dims, *, ordered, nbatch, ring=None):
