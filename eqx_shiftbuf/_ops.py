@@ -1032,4 +1032,15 @@ def check_fill(fill: Any, dtype: Any) -> Any:
                 f"{jnp.dtype(dtype)}."
             )
         fill = int(fill)
+    if (
+        jnp.issubdtype(dtype, jnp.integer)
+        and not isinstance(fill, bool)
+        and not jnp.iinfo(dtype).min <= fill <= jnp.iinfo(dtype).max
+    ):
+        # (Else it wrapped, or NumPy refused it deep in the lowering.)
+        info = jnp.iinfo(dtype)
+        raise OverflowError(
+            f"`fill`={fill!r} is out of range for the buffer's dtype "
+            f"{jnp.dtype(dtype)}: its values are {info.min} to {info.max}."
+        )
     return fill

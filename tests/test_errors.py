@@ -914,6 +914,18 @@ def test_fill_not_representable_in_an_integer_buffer_is_a_type_error():
         esb.delete(buffer(jnp.int32), (0, 1), fill=1.5)
 
 
+@pytest.mark.parametrize(
+    "dtype, fill",
+    [(jnp.uint8, -2), (jnp.int8, 300), (jnp.uint8, -2.0)],
+    ids=["uint8--2", "int8-300", "uint8--2.0"],
+)
+def test_fill_out_of_an_integer_dtype_s_range_is_an_error_when_made(dtype, fill):
+    # It was accepted, then wrapped (-2 filled a uint8 line with 254) or failed
+    # inside the lowering with NumPy's OverflowError.
+    with pytest.raises(OverflowError, match=re.escape(f"`fill`={int(fill)} is out")):
+        esb.ShiftBuffer(jnp.ones((2, 3), dtype), axis=1, fill=fill)
+
+
 def test_array_fill_is_a_type_error():
     with pytest.raises(TypeError, match=re.escape("`fill` must be a Python scalar")):
         esb.delete(buffer(), (0, 1), fill=jnp.float32(0))
