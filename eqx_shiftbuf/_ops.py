@@ -474,15 +474,11 @@ def foldable(storage: Any) -> bool:
     a constant of the program (an array closed over), or, in the program being
     traced, a broadcast of a scalar (`ShiftBuffer.zeros`, `jnp.full`, read before
     any edit). A `dynamic_slice` of either does not depend on its start, and an
-    out-of-range start read zeros with no error. Read off the trace itself (the
-    producing equation), so no state is kept."""
+    out-of-range start read zeros with no error. Read off the trace itself
+    (`_primitives.broadcast_operand`), so no state is kept."""
     if not isinstance(storage, Tracer):
         return True
-    eqn = getattr(storage, "parent", None)  # jit's tracer: the producing equation
-    if eqn is None or getattr(eqn, "primitive", None) is not lax.broadcast_in_dim_p:
-        return False
-    invars = getattr(eqn, "invars", ())
-    operand = invars[0] if invars else None
+    operand = P.broadcast_operand(storage)
     return operand is not None and jnp.ndim(getattr(operand, "aval", operand)) == 0
 
 
@@ -536,7 +532,7 @@ def check_value(
         kind = (
             "a bool buffer holds bools"
             if dtype == jnp.bool_
-            else ("an integer buffer holds integers")
+            else "an integer buffer holds integers"
         )
         raise TypeError(
             f"`{argname}` has floating dtype {arr.dtype} but the buffer has dtype "
@@ -554,15 +550,25 @@ def check_value(
     if jnp.issubdtype(dtype, jnp.integer) and not isinstance(arr, Tracer):
         # A concrete integer that the buffer's dtype cannot hold would wrap (300
         # into int8 is 44, -1 into uint8 is 255).
-        info = jnp.iinfo(dtype)
-        values = np.asarray(arr)
-        if values.size and (values.min() < info.min or values.max() > info.max):
-            bad = values.min() if values.min() < info.min else values.max()
+        bad = _outside(arr, dtype)
+        if bad is not None:
+            info = jnp.iinfo(dtype)
             raise OverflowError(
                 f"`{argname}` holds {bad}, which the buffer's dtype {dtype} cannot "
                 f"hold (its values are {info.min} to {info.max})."
             )
     return arr.astype(dtype)
+
+
+def _outside(values: Any, dtype: Any) -> Any:
+    """The least (else the greatest) of the concrete `values` that the integer
+    `dtype` cannot hold, or None if it holds them all."""
+    info, v = jnp.iinfo(dtype), np.asarray(values)
+    if v.size and v.min() < info.min:
+        return v.min()
+    if v.size and v.max() > info.max:
+        return v.max()
+    return None
 
 
 # ---------------------------------------------------------------------------
@@ -1035,7 +1041,7 @@ def check_fill(fill: Any, dtype: Any) -> Any:
     if (
         jnp.issubdtype(dtype, jnp.integer)
         and not isinstance(fill, bool)
-        and not jnp.iinfo(dtype).min <= fill <= jnp.iinfo(dtype).max
+        and _outside(fill, dtype) is not None
     ):
         # (Else it wrapped, or NumPy refused it deep in the lowering.)
         info = jnp.iinfo(dtype)

@@ -131,6 +131,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -2108,16 +2109,22 @@ def _read_across_the_batch(args, dims, sizes, wrap, ring):
     return (s, w, t), (0, 0, None)
 
 
+def broadcast_operand(x) -> Any:
+    """What `x` was broadcast from, in the program being traced: the operand of
+    the `broadcast_in_dim` equation that produced it, or None. Read off the trace
+    itself (as `_producer`), so no state is kept; where the trace does not say,
+    None."""
+    eqn = getattr(x, "parent", None)  # jit's tracer: the producing equation
+    if eqn is None or getattr(eqn, "primitive", None) is not lax.broadcast_in_dim_p:
+        return None
+    invars = getattr(eqn, "invars", ())
+    return invars[0] if invars else None
+
+
 def _literal_zeros(x) -> bool:
     """Whether `x` is, in the program being traced, zeros broadcast from a literal
-    (as `_zeros_like_aval` makes the cotangent of a dropped buffer). Read off the
-    trace itself (`_producer`), so no state is kept; where the trace does not say,
-    False."""
-    eqn = getattr(x, "parent", None)
-    if eqn is None or getattr(eqn, "primitive", None) is not lax.broadcast_in_dim_p:
-        return False
-    invars = getattr(eqn, "invars", ())
-    literal = getattr(invars[0], "val", None) if invars else None
+    (as `_zeros_like_aval` makes the cotangent of a dropped buffer)."""
+    literal = getattr(broadcast_operand(x), "val", None)
     value = getattr(literal, "val", None)
     return type(literal).__name__ == "Literal" and bool(np.all(np.asarray(value) == 0))
 

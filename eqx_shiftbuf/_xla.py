@@ -656,6 +656,12 @@ _RING = "esb.deferred_ring"
 _SIZES = "esb.deferred_sizes"
 
 
+def run_time_values(values: list) -> list:
+    """`values` through one `optimization_barrier`: XLA sees them as run-time
+    values, and a deferred read's starts and token are found as its results."""
+    return list(hlo.OptimizationBarrierOp(values).results)
+
+
 def deferred_read(
     storage: ir.Value, tok: ir.Value, starts, sizes, ring=None, gather=None
 ):
@@ -675,7 +681,7 @@ def deferred_read(
     Pinned by `tests/test_deferred_reads.py` and, for the reads an access follows,
     by every copy count of the suite.
     """
-    tok, *starts = hlo.OptimizationBarrierOp([tok, *starts]).results
+    tok, *starts = run_time_values([tok, *starts])
     if ring is None:
         read = hlo.DynamicSliceOp(storage, starts, mlir.dense_int_array(list(sizes)))
         value = read.result
@@ -707,12 +713,6 @@ def deferred_read(
 # `lax`'s forward. The unused tuple `_LOOP_READ` holds what the gather is made
 # from: the storage, the window's mark, the token's hook, the token and the starts.
 _LOOP_READ = "esb.loop_read"
-
-
-def run_time_values(values: list) -> list:
-    """`values` through one `optimization_barrier`: XLA sees them as run-time
-    values, and a deferred read's starts and token are found as its results."""
-    return list(hlo.OptimizationBarrierOp(values).results)
 
 
 def deferred_loop_read(
@@ -1206,41 +1206,53 @@ def _aval_of(v: ir.Value) -> ShapedArray:
 def _materialise(ctx, mark: ir.Operation, reduced: Callable, token_after: Callable):
     """Turn the deferred read whose window is `mark` into `reduced(storage,
     *starts, sizes=...) -> (window, bits)`, in its place, and its token hook into
-    `token_after(token, bits)`, the token a read returns. Returns `bits`."""
+    `token_after(token, bits)`, the token a read returns. Returns `bits`.
+
+    A batch of windows read by a loop (`deferred_loop_read`) is made
+    `reduced(..., nbatch=...)`, a gather behind a barrier, before its mark; the
+    loop is then unused, and XLA drops it."""
     info = _loop_read_info(mark)
-    if info is not None:
-        return _materialise_loop(ctx, mark, info, reduced, token_after)
-    sliced = _operation(mark.operands[0].owner)
-    assert sliced is not None
-    ring = None
-    if _RING in mark.attributes:  # a gather (`deferred_read`)
-        ring = ir.IntegerAttr(mark.attributes[_RING]).value
-        sizes = tuple(ir.DenseI64ArrayAttr(mark.attributes[_SIZES]))
-        barrier = _barrier_above(sliced.operands[1])
-        starts = list(barrier.results[1:])
-        del mark.attributes[_RING]
-        del mark.attributes[_SIZES]
+    if info is not None:  # a loop over the batch
+        storage, _, hook_value, tok, *starts = info.operands
+        hook = _operation(hook_value.owner)
+        nbatch = len(_aval_of(starts[0]).shape)  # the windows' batch dimensions
+        sizes = tuple(_aval_of(mark.result).shape[nbatch:])
+        fn = functools.partial(reduced, sizes=sizes, ring=None, nbatch=nbatch)
+        at, dead = mark, info
     else:
-        barrier = _operation(sliced.operands[1].owner)
-        starts = list(sliced.operands[1:])
-        sizes = tuple(ir.DenseI64ArrayAttr(sliced.attributes["slice_sizes"]))
-    assert barrier is not None and barrier.name == "stablehlo.optimization_barrier"
-    tok = barrier.results[0]
-    hook = next(
-        op
-        for op in (_operation(u.owner) for u in tok.uses)
-        if op is not None and _READ_TOKEN in op.attributes
-    )
-    storage = sliced.operands[0]
+        sliced = _operation(mark.operands[0].owner)
+        assert sliced is not None
+        ring = None
+        if _RING in mark.attributes:  # a gather (`deferred_read`)
+            ring = ir.IntegerAttr(mark.attributes[_RING]).value
+            sizes = tuple(ir.DenseI64ArrayAttr(mark.attributes[_SIZES]))
+            barrier = _barrier_above(sliced.operands[1])
+            starts = list(barrier.results[1:])
+            del mark.attributes[_RING]
+            del mark.attributes[_SIZES]
+        else:
+            barrier = _operation(sliced.operands[1].owner)
+            starts = list(sliced.operands[1:])
+            sizes = tuple(ir.DenseI64ArrayAttr(sliced.attributes["slice_sizes"]))
+        assert barrier is not None and barrier.name == "stablehlo.optimization_barrier"
+        tok = barrier.results[0]
+        hook = next(
+            op
+            for op in (_operation(u.owner) for u in tok.uses)
+            if op is not None and _READ_TOKEN in op.attributes
+        )
+        storage = sliced.operands[0]
+        fn = functools.partial(reduced, sizes=sizes, ring=ring)
+        at, dead = sliced, sliced
+    assert hook is not None and _READ_TOKEN in hook.attributes
     avals_in = [_aval_of(storage)] + [_aval_of(i) for i in starts]
-    fn = functools.partial(reduced, sizes=sizes, ring=ring)
     avals_out = [ShapedArray(a.shape, a.dtype) for a in jax.eval_shape(fn, *avals_in)]
     sub = ctx.replace(primitive=None, avals_in=avals_in, avals_out=avals_out)
-    with ir.InsertionPoint(sliced):
+    with ir.InsertionPoint(at):
         window, bits = mlir.lower_fun(fn, multiple_results=True)(sub, storage, *starts)
     mark.operands[0] = window
     del mark.attributes[_DEFERRED_READ]
-    sliced.erase()
+    dead.erase()
 
     def waited(tok, bits):
         return [token_after(tok, bits)]
@@ -1252,44 +1264,6 @@ def _materialise(ctx, mark: ir.Operation, reduced: Callable, token_after: Callab
     with ir.InsertionPoint(hook):
         (new_tok,) = mlir.lower_fun(waited, multiple_results=True)(sub, tok, bits)
     hook.operands[0] = new_tok
-    del hook.attributes[_READ_TOKEN]
-    return bits, avals_out[1]
-
-
-def _materialise_loop(
-    ctx,
-    mark: ir.Operation,
-    info: ir.Operation,
-    reduced: Callable,
-    token_after: Callable,
-):
-    """`_materialise` for a deferred loop read (`deferred_loop_read`): its window
-    and token made from `reduced(storage, *starts, sizes=..., nbatch=...)`, a gather
-    behind a barrier, in place of the loop's, which is then unused."""
-    storage, _, hook_value, tok, *starts = info.operands
-    hook = _operation(hook_value.owner)
-    assert hook is not None and _READ_TOKEN in hook.attributes
-    window_aval = _aval_of(mark.result)
-    nbatch = len(_aval_of(starts[0]).shape)  # the windows' batch dimensions
-    sizes = tuple(window_aval.shape[nbatch:])
-    avals_in = [_aval_of(storage)] + [_aval_of(i) for i in starts]
-    fn = functools.partial(reduced, sizes=sizes, ring=None, nbatch=nbatch)
-    avals_out = [ShapedArray(a.shape, a.dtype) for a in jax.eval_shape(fn, *avals_in)]
-    sub = ctx.replace(primitive=None, avals_in=avals_in, avals_out=avals_out)
-    with ir.InsertionPoint(mark):
-        window, bits = mlir.lower_fun(fn, multiple_results=True)(sub, storage, *starts)
-    tok_aval = _aval_of(tok)
-    sub = ctx.replace(
-        primitive=None, avals_in=[tok_aval, avals_out[1]], avals_out=[tok_aval]
-    )
-    with ir.InsertionPoint(hook):
-        (new_tok,) = mlir.lower_fun(
-            lambda t, b: [token_after(t, b)], multiple_results=True
-        )(sub, tok, bits)
-    info.erase()
-    mark.operands[0] = window
-    hook.operands[0] = new_tok
-    del mark.attributes[_DEFERRED_READ]
     del hook.attributes[_READ_TOKEN]
     return bits, avals_out[1]
 
