@@ -87,6 +87,10 @@ were written as their window (`_primitives._swap_impl`): 0 on the default sweep
 (13 shapes x 18 bodies), on `--styles pyint,pyneg` (`line, two, three, col,
 ring, wide, lead`) and on `--kind esb` and `--kind remat` (`two, three, wide,
 lead, ring`) for the six overwrite bodies.
+2026-12-07: shapes `short, shortline, stack`, whose batches under `vmap` shift as
+one `select` over the batch (`_primitives._shift_each_line`) and read small ring
+windows as one gather: `--styles traced32,pyint --modes
+vmap,vmap(grad),jvp(vmap),grad(vmap)`, 0 on all 108 rows.
 """
 
 import argparse
@@ -126,6 +130,11 @@ SHAPES = {
     "one3": ((1, 32, 64), 2),
     "twoA": ((2, 32, 64), 2),
     "mid4": ((3, 8, 64, 4), 2),
+    # Batches of these under `vmap` are small enough to shift as one `select`
+    # (`_primitives.SELECT_LINES_UP_TO`).
+    "short": ((1024,), 0),
+    "shortline": ((1, 1024), 1),
+    "stack": ((128, 16), 0),
 }
 STYLES = ("traced32", "traced64", "pyint", "npint", "pyneg")
 
