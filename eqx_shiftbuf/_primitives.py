@@ -1074,8 +1074,8 @@ def _each_element(storage, tok, idx, axis, new_line, nbatch, values=None):
 # are one `select` over the batch (`_shift_each_line`), not a loop over it. Measured
 # under `vmap` on XLA:CPU (forward, a 200-step scan of a traced insert, pop, or
 # insert and delete into batches of 3 and 16 1-D buffers of 256 to 16384 elements;
-# library / plain `lax`): up to 4096 elements in all, 0.83-1.04x with the select,
-# 1.34-2.8x with the loop (its trips' set-up); from 12288, the loop 0.3-0.94x (each
+# library / plain `lax`): up to 4096 elements in all, 0.83-1.07x with the select,
+# 1.19-2.83x with the loop (its trips' set-up); from 12288, the loop 0.3-1.09x (each
 # trip's line stays in cache) where the select, three passes over the whole batch,
 # was up to 2x. Between, 8192 (16 x 512) is on the select's side of the line.
 SELECT_LINES_UP_TO = 8192
