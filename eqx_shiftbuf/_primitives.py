@@ -997,7 +997,7 @@ def _insert_impl(storage, tok, value, *idx, axis, ordered, nbatch=0):
         each = lambda v, line, col: _shift_right(line, col, v)
         storage = _each_element(storage, tok, idx, axis, each, nbatch, value)[0]
         return from_carrier(storage, dtype), tok
-    if _each_a_line(storage, bshape, nbatch, axis):
+    if _each_a_line(storage, bshape, nbatch, axis, dtype):
         v = value.reshape(bshape + (1,) * (axis + 1 - nbatch) + value.shape[1:])
         shifted = lambda line, col, h: _shift_right(line, col, v, h, axis, nbatch)
         storage = _shift_each_line(storage, tok, idx, head, nbatch, shifted)
@@ -1081,14 +1081,19 @@ def _each_element(storage, tok, idx, axis, new_line, nbatch, values=None):
 SELECT_LINES_UP_TO = 8192
 
 
-def _each_a_line(storage, bshape, nbatch: int, axis: int) -> bool:
+def _each_a_line(storage, bshape, nbatch: int, axis: int, dtype) -> bool:
     """Whether a batched shift along `axis` edits, for each batch element, that
     element's only line (`_one_per_batch_element`, and no dimension of more than
     one element between the batch dimensions and `axis`: a batch of 1-D buffers,
     delay lines, stacks or `(1, n)` buffers, rings or not, under `vmap`), the
-    batch of them at most `SELECT_LINES_UP_TO` elements."""
+    batch of them at most `SELECT_LINES_UP_TO` elements, of a dtype moved as it
+    is (`dtype`, the buffer's). Moved as bits (`moved_as_bits`: bfloat16, the
+    float8s), the select of a batch of bfloat16 rings under `vmap(grad)`, after a
+    read and before the accumulation of its cotangent, was copied every step
+    (the loop over the batch was not)."""
     return (
-        _one_per_batch_element(storage, bshape, nbatch)
+        not moved_as_bits(dtype)
+        and _one_per_batch_element(storage, bshape, nbatch)
         and 0 < storage.size <= SELECT_LINES_UP_TO
         and math.prod(storage.shape[nbatch:axis]) == 1
     )
@@ -1169,7 +1174,7 @@ def _pop_impl(storage, tok, *idx, axis, fill, read, ordered, nbatch=0):
         if not read:  # a delete: the removed elements are not wanted
             removed = jnp.zeros_like(removed)
         return from_carrier(storage, dtype), from_carrier(removed, dtype), tok
-    if _each_a_line(storage, bshape, nbatch, axis):
+    if _each_a_line(storage, bshape, nbatch, axis, dtype):
         storage, removed = _pop_each_line(
             storage, tok, plain, head, axis, fill, read, nbatch
         )

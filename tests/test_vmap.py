@@ -586,3 +586,25 @@ def test_a_batch_of_short_rings_under_vmap_of_grad_matches_each_example(op):
         want = jax.grad(loss, argnums=(0, 1))(a[k], v[k], r[k], q[k])
         for g, w in zip(got, want, strict=True):
             np.testing.assert_allclose(g[k], w, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_a_batch_of_short_rings_read_then_shifted_under_vmap_of_grad_copy_nothing(
+    dtype,
+):
+    # A window at a Python int (one access across the batch), then a delete at
+    # each example's own position: as one select over a batch of bfloat16 rings
+    # (moved as bits), the shift was copied every step under `vmap(grad)`,
+    # before its cotangent's accumulation; bfloat16 keeps the loop over the batch.
+    def loss(a, cols):
+        def step(b, c):
+            b, w = b.read((0,), (49,))
+            return b.delete((c,)), w
+
+        b, ws = lax.scan(step, esb.ShiftBuffer.from_array(a, axis=0), cols)
+        return (b.array.astype(jnp.float32) ** 2).sum() + ws.astype(jnp.float32).sum()
+
+    a = jnp.ones((2, 100), dtype)
+    cols = jnp.full((2, 2), 3, jnp.int32)
+    fn = jax.vmap(jax.grad(loss))
+    assert esb.find_loop_copies(fn, a, cols, min_bytes=a.nbytes // 2) == []
