@@ -88,6 +88,18 @@ def _insert_delete_1d(ops, b, x, p):
     return b, p["s"] * x["v"]
 
 
+def _text(ops, b, x, p):
+    """A line of text (1-D, 1024): a character typed at the cursor, one deleted
+    elsewhere, and the 4 characters at the cursor read. Under `vmap` (4 lines,
+    4096 elements) the shifts are one `select` over the batch and the read one
+    gather (`_primitives._shift_each_line`, `GATHER_RING_WINDOWS_UP_TO`)."""
+    (n,) = ops.shape(b)
+    b = ops.insert(b, x["c"][0], jnp.sin(p["s"] * x["v"]))
+    b = ops.delete(b, x["c"][1])
+    b, w = ops.read(b, (jnp.minimum(x["c"][0], n - 4),), (4,))
+    return b, (w * p["s"]).sum()
+
+
 def _frame(p, x, d):
     return jnp.tanh(p["s"] * x["v"] + jnp.arange(d, dtype=jnp.float32))
 
@@ -385,6 +397,15 @@ ROWS = (
         0,
         1,
         4096,
+    ),
+    Row(
+        "text",
+        "1-D (1024,), traced insert + delete, then a read of 4 at the cursor",
+        _text,
+        (1024,),
+        0,
+        1,
+        1024,
     ),
     Row(
         "one_d_del",

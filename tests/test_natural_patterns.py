@@ -59,6 +59,11 @@ IN_PLACE = [
     ("one_d_del", "jvp"),
     ("two_lines", "grad"),
     ("two_lines", "jvp"),
+    # A small batch of one-line buffers: its shifts one `select` over the
+    # batch, its window one gather (`_primitives._shift_each_line`).
+    ("text", "vmap"),
+    ("text", "vmap(grad)"),
+    ("text", "jvp(vmap)"),
     ("whole_ds", "fwd"),
     ("whole_ds", "jvp"),
     # The two cotangents of the buffer a `dynamic_slice` leaves used twice are
@@ -138,6 +143,7 @@ def test_no_per_iteration_copies(row, mode):
         "one_line",
         "one_d",
         "one_d_del",
+        "text",
         "two_lines",
         "whole_ds",
         "whole_array",
