@@ -623,14 +623,6 @@ def _ring_reduced(storage, st, sizes: Sequence[int], ring: int):
 GATHER_RING_WINDOWS_UP_TO = 64
 
 
-def _gathered_ring_windows(dtype, sizes: Sequence[int]) -> bool:
-    """Whether a batched read of a ring's windows of `sizes` is one gather
-    (`GATHER_RING_WINDOWS_UP_TO`): real or bool (read through a reduction)."""
-    return math.prod(sizes) <= GATHER_RING_WINDOWS_UP_TO and not jnp.issubdtype(
-        dtype, jnp.complexfloating
-    )
-
-
 def _ring_read_impl(storage, tok, starts, sizes: Sequence[int], ring: int):
     """`(storage, windows, token)`: windows of a ring whose rows along `ring` wrap
     round the end of the storage, each a gather (`_ring_gather`). Unbatched, the
@@ -643,17 +635,18 @@ def _ring_read_impl(storage, tok, starts, sizes: Sequence[int], ring: int):
     dtype = storage.dtype
     storage = to_carrier(storage)  # moved as bits: see `carrier`
     # (A complex window has no bits to reduce over, `pick_by_max`: in a loop.)
-    if size == 1 and not jnp.issubdtype(dtype, jnp.complexfloating):
-        out, bits = _ring_reduced(storage, _element(starts, 0), sizes, ring)
-        tok = _read_token(tok, bits)
-    elif _gathered_ring_windows(dtype, sizes):
-        # Batched, small windows: one gather of every window, read through a
-        # reduction as an unbatched one is (`_ring_reduced`), the token from it.
-        # In a loop over the batch, each trip one window, the trips' set-up cost
-        # more: a batch of 3 windows of 4 elements of 1-D rings of 1024 under
-        # `vmap` took 1.8-2x plain `lax`'s forward, 0.7x gathered.
-        flat = [jnp.broadcast_to(st, bshape).reshape(size) for st in starts]
-        out, bits = _ring_reduced(storage, flat, sizes, ring)
+    gathered = size == 1 or math.prod(sizes) <= GATHER_RING_WINDOWS_UP_TO
+    if gathered and not jnp.issubdtype(dtype, jnp.complexfloating):
+        # Batched, small windows are read as one window is: one gather of every
+        # window, through a reduction. In a loop over the batch, each trip one
+        # window, the trips' set-up cost more: a batch of 3 windows of 4 elements
+        # of 1-D rings of 1024 under `vmap` took 1.8-2x plain `lax`'s forward,
+        # 0.7x gathered.
+        if size == 1:
+            st = _element(starts, 0)
+        else:
+            st = [jnp.broadcast_to(x, bshape).reshape(size) for x in starts]
+        out, bits = _ring_reduced(storage, st, sizes, ring)
         tok = _read_token(tok, bits)
     else:
 
@@ -1186,17 +1179,18 @@ def _pop_impl(storage, tok, *idx, axis, fill, read, ordered, nbatch=0):
 def _pop_each_line(storage, tok, idx, head, axis: int, fill, read: bool, nbatch: int):
     """`(storage, removed)`: the pops of each batch element's only line
     (`_each_a_line`), as one shift (`_shift_each_line`). The removed elements are
-    gathered first (`_batch_gather`), behind an `optimization_barrier` so that
-    XLA reads them once, before the shift, which waits for them through the
-    token: as a single line's pop reads its removed element before shifting."""
+    read first, one gather behind an `optimization_barrier` (`_reduced_read`'s
+    batch) so that XLA reads them once, before the shift, which waits for them
+    through the token: as a single line's pop reads its removed element before
+    shifting."""
     bshape, vshape = tuple(idx[0].shape), storage.shape[axis + 1 :]
     if read:
         col = _physical(idx[-1], head, storage.shape[axis])
         zeros = [jnp.zeros_like(col)] * (storage.ndim - axis - 1)
         sizes = (1,) * (axis + 1) + vshape
-        gathered = _batch_gather(storage, [*idx[:-1], col, *zeros], sizes)
-        (removed,) = lax.optimization_barrier((gathered,))
-        tok = _read_token(tok, removed)
+        starts = [*idx[:-1], col, *zeros]
+        removed, bits = _reduced_read(storage, *starts, sizes=sizes, nbatch=nbatch)
+        tok = _read_token(tok, bits)
         removed = removed.reshape(bshape + vshape)
     else:  # a delete: the removed elements are not wanted
         removed = jnp.zeros(bshape + vshape, storage.dtype)
