@@ -744,6 +744,15 @@ def _scattered(storage, tok, update, starts, nbatch: int, ring: int | None = Non
     assert at is not None  # `_one_window_per_element`
     s, st = _by_element(storage, starts, nb, tok, at)
     u = update.reshape((s.shape[0],) + sizes)
+    if s.shape[0] == 1 and (ring is None or sizes[ring - nb] == 1):
+        # A batch of one, whose window does not wrap: one `dynamic_update_slice`.
+        # XLA turns a scatter of one window into a `dynamic_update_slice` of a
+        # `select` between the update and the old window (its bounds check), and
+        # with that read of the storage in the write's fusion, a bfloat16 or float8
+        # storage written as bits was not written in place through the conversion
+        # (a copy per step; see `_swap_impl`'s `body`).
+        st1 = [jnp.reshape(i, ()) for i in st]
+        return lax.dynamic_update_slice(s[0], u[0], st1).reshape(storage.shape)
     if ring is None:
         write = lambda s1, u1, *st1: lax.dynamic_update_slice(s1, u1, st1)
     else:  # rows that wrap round the end of each element's ring (`_ring_scatter`)
@@ -1376,7 +1385,21 @@ def _reduced_read(storage, *starts, sizes, ring=None, nbatch=0):
     `optimization_barrier`, which is its own bits. The barrier makes the windows
     one value that their readers read: XLA duplicates a gather into its readers,
     and one recomputed in a reader after the edit would read the older buffer (a
-    copy)."""
+    copy).
+
+    A batch of one element is read as an unbatched read of the whole storage
+    (`window_by_reduce`), whose batch dimensions are 1 wide. XLA simplifies a
+    gather of one window to a dynamic slice and, being cheap, duplicates that
+    into each of its readers past the barrier (XLA:CPU expands barriers into
+    control dependencies before fusion): the pop's removed element was read again
+    after the shift, a copy of the buffer per step under `vmap` with a batch of
+    one."""
+    bshape = tuple(starts[0].shape) if nbatch else ()
+    d = _reduce_read(storage, 1, sizes) if math.prod(bshape) == 1 else None
+    if nbatch and d is not None:
+        flat = [jnp.reshape(st, ()) for st in starts]
+        window, bits = window_by_reduce(storage, flat, sizes, d)
+        return window.reshape(bshape + tuple(sizes)), bits
     if nbatch:
         (g,) = lax.optimization_barrier((_batch_gather(storage, starts, sizes),))
         return g, g

@@ -608,3 +608,53 @@ def test_a_batch_of_short_rings_read_then_shifted_under_vmap_of_grad_copy_nothin
     cols = jnp.full((2, 2), 3, jnp.int32)
     fn = jax.vmap(jax.grad(loss))
     assert esb.find_loop_copies(fn, a, cols, min_bytes=a.nbytes // 2) == []
+
+
+def _one_edit_loss(edit: str):
+    def loss(a, idx, xs):
+        def step(b, inp):
+            i, x = inp
+            y = jnp.zeros((), jnp.float32)
+            if edit == "pop":
+                b, v = b.pop(i)
+                y = v.astype(jnp.float32)
+            elif edit == "insert":
+                b = b.insert(i, x)
+            else:  # a delete at the front of the only line, at Python ints
+                b = b.delete((0, 0))
+            return b, y
+
+        axis = a.ndim - 1
+        b, ys = lax.scan(step, esb.ShiftBuffer.from_array(a, axis=axis), (idx, xs))
+        return (b.array.astype(jnp.float32) ** 2).sum() + ys.sum()
+
+    return loss
+
+
+# Cases the fuzzer found (each copied the buffer every step with a batch of one,
+# and none with a batch of two).
+_BATCH_OF_ONE = [
+    ((31,), jnp.float32, "pop", "vmap"),
+    ((46,), jnp.bool_, "pop", "vmap"),
+    ((21,), jnp.float32, "insert", "vmap(grad)"),
+    ((1, 1805), jnp.bfloat16, "delete", "vmap"),
+]
+
+
+@pytest.mark.parametrize("shape, dtype, edit, mode", _BATCH_OF_ONE)
+def test_a_batch_of_one_buffer_is_edited_in_place(shape, dtype, edit, mode):
+    # XLA simplifies a gather or scatter of one window into a dynamic slice or
+    # update: a pop's removed element, read as such, was recomputed after the
+    # shift, and a bfloat16 ring's fill, written through a bounds check that
+    # reads the storage, was not written in place (`_primitives._reduced_read`,
+    # `_scattered`).
+    loss = _one_edit_loss(edit)
+    rng = np.random.default_rng(3)
+    a = jnp.asarray(rng.normal(size=(1,) + shape) > 0).astype(dtype)
+    idx = jnp.asarray(rng.integers(0, shape[-1] - 1, (1, 5)), jnp.int32)
+    xs = jnp.asarray(rng.normal(size=(1, 5)) > 0).astype(dtype)
+    fn = jax.vmap(loss) if mode == "vmap" else jax.vmap(jax.grad(loss))
+    assert esb.find_loop_copies(fn, a, idx, xs, min_bytes=max(1, a.nbytes // 2)) == []
+    got = jax.jit(fn)(a, idx, xs)
+    want = (loss if mode == "vmap" else jax.grad(loss))(a[0], idx[0], xs[0])
+    np.testing.assert_array_equal(got[0], want)

@@ -316,6 +316,9 @@ def main():
     ap.add_argument("--kind", default="lax")
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--unroll", type=int, default=1, help="the loop's `unroll`")
+    ap.add_argument(
+        "--batch", type=int, default=2, help="the batch size of the `vmap` modes"
+    )
     ap.add_argument("--detail", action="store_true")
     args = ap.parse_args()
     dtype = jnp.dtype(args.dtype)
@@ -331,7 +334,15 @@ def main():
                 (jnp.arange(12, dtype=it) * 91) % n,
                 jnp.linspace(0.1, 1.0, 12, dtype=jnp.float32),
             )
-            bxs = jax.tree.map(lambda x: jnp.stack([x, x[::-1]]), xs)
+            bxs = jax.tree.map(
+                lambda x: jnp.stack(
+                    [
+                        jnp.roll(x if k % 2 == 0 else x[::-1], k // 2)
+                        for k in range(args.batch)
+                    ]
+                ),
+                xs,
+            )
             B = bodies(shape, axis, dtype)
             for bname in args.bodies.split(",") if args.bodies else B:
                 row = []
