@@ -551,6 +551,44 @@ def test_a_narrow_float_buffer_edited_then_read_has_plain_lax_values(op, shape, 
     np.testing.assert_allclose(g, w, rtol=1e-2, atol=1e-2)
 
 
+def _narrow_delay_line_loss(read: str):
+    """A bfloat16 delay line `(1024, 32)`: `insert(0, x)` (its ring's head moves),
+    then eleven taps at Python-int rows, or its whole window."""
+    taps = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+
+    def loss(s, a, xs):
+        def step(b, x):
+            f = jnp.tanh(s * x + jnp.arange(32, dtype=jnp.float32))
+            b = b.insert(0, f.astype(jnp.bfloat16))
+            windows = []
+            if read == "taps":
+                for t in taps:
+                    b, w = b.read((t, 0), (1, 32))
+                    windows.append(w)
+            else:
+                b, w = b.read()
+                windows.append(w)
+            return b, sum((w.astype(jnp.float32) * s).sum() for w in windows)
+
+        b, ys = lax.scan(step, esb.ShiftBuffer(a, axis=0), xs)
+        return ys.sum()
+
+    return loss, (jnp.float32(0.5), jnp.zeros((1024, 32), jnp.bfloat16), jnp.ones(6))
+
+
+@pytest.mark.parametrize("mode", ["fwd", "grad", "jvp", "vmap(grad)"])
+@pytest.mark.parametrize("read", ["taps", "whole"])
+def test_a_narrow_float_delay_line_read_after_its_push_copies_nothing(read, mode):
+    # The natural rows `delay_taps` and `delay_whole` in bfloat16: the reads of
+    # the ring right after its push (`_primitives._edited_bits`; the whole window
+    # through the ring's rotation).
+    loss, (s, a, xs) = _narrow_delay_line_loss(read)
+    if "vmap" in mode:
+        xs = jnp.stack([xs, xs[::-1]])
+    fn = natural.program(mode, loss)
+    assert esb.find_loop_copies(fn, s, a, xs, min_bytes=a.nbytes // 2) == []
+
+
 def _whole_slice_loss(dtype, lib: bool):
     """An insert, then a `dynamic_slice` of the whole buffer: under `grad`, JAX sums
     the buffer's two cotangents, which the next access folds
