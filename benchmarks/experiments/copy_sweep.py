@@ -91,6 +91,19 @@ lead, ring`) for the six overwrite bodies.
 one `select` over the batch (`_primitives._shift_each_line`) and read small ring
 windows as one gather: `--styles traced32,pyint --modes
 vmap,vmap(grad),jvp(vmap),grad(vmap)`, 0 on all 108 rows.
+2026-12-07, later: `--batch 1` (a batch of one under the vmap modes), shapes
+`short,shortline,stack,flat,line,ring`, `traced32,pyint`, the four vmap modes:
+float32 0 on all 216 rows (after `_primitives._reduced_read` and `_scattered`
+took a batch of one as one buffer; the fuzzer's cases copied 1 a step before).
+`--dtype bfloat16` on the default shapes and `short,stack` (15 shapes x 2 styles
+x 18 bodies = 540 rows), `--modes fwd,grad,jvp,"vmap(grad)","jvp(vmap)"`, after a
+read right after an edit of a narrow buffer went into a conditional
+(`_primitives._edited_bits`): copies on 54 rows, 1/1/2 forward, grad, jvp: 20 on
+`twotwo` and `unit3` (under 2 KiB, where the conditional is not used), 31 a static
+slice of `.array` after an edit (`ins_arr`, `dus_arr`), 3 `ds_ins` at Python ints
+(README, known limits). Before it, on the first 373 of those rows (four modes):
+64 rows copied (`ins_read` 16, `dus_read` 10, `dus_ds` 10, `ins_arr` 16, `dus_arr`
+10, `ds_ins` 2); after: 28 (`ins_arr`, `dus_arr`, `ds_ins`).
 """
 
 import argparse
