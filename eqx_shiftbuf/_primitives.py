@@ -1501,13 +1501,20 @@ def _read_in_branch(ctx, storage: ir.Value, params) -> bool:
 
 def _in_branch(f: Callable, key, *args):
     """`f(*args)`, computed in a conditional whose predicate is always true, but
-    not to XLA (`opaque_zero(key)`); see `_edited_bits`."""
+    not to XLA (`opaque_zero(key)`); see `_edited_bits`. Its results leave the
+    conditional as their carriers' bits (`to_carrier`): as bfloat16, XLA:CPU
+    passed them through float32, dropping their NaN payloads. Its operands enter
+    it as they are: entering as bits, the storage's conversion was a second user
+    of the edit that XLA computed apart from the buffer's write (a copy)."""
+    dtypes = jax.tree.map(lambda s: s.dtype, jax.eval_shape(f, *args))
+    bits = lambda *args: jax.tree.map(to_carrier, f(*args))
 
     def skip(*args):
-        shapes = jax.eval_shape(f, *args)
+        shapes = jax.eval_shape(bits, *args)
         return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
 
-    return lax.cond(opaque_zero(key) == 0, f, skip, *args)
+    out = lax.cond(opaque_zero(key) == 0, bits, skip, *args)
+    return jax.tree.map(from_carrier, out, dtypes)
 
 
 def _read_impl_in_branch(storage, tok, *starts, **params):

@@ -243,6 +243,46 @@ def test_a_written_window_reads_back_bit_for_bit(dtype):
         assert_same_bits(x, ref.dynamic_update_slice(a, update, (row, 0)), written=True)
 
 
+# A read of a storage computed in the function (an edit's result, or a batch's
+# transpose) is made in a conditional for the dtypes moved as bits
+# (`_primitives._edited_bits`), whose results XLA:CPU passed through float32.
+
+_NARROW = [p for p in DTYPES if _xla.moved_as_bits(p.values[0])]
+
+
+@jax.jit
+def read_across_a_batch(x, r):
+    """Row `r` of each of the buffers `x[:, k]`, under `vmap` along axis 1: each
+    buffer is a slice of the argument, computed in the function."""
+    read = lambda x: esb.dynamic_slice(x, (r, 0), (1, x.shape[1]))
+    return jax.vmap(read, in_axes=1)(x)
+
+
+@pytest.mark.parametrize("dtype", _NARROW)
+def test_a_read_of_a_computed_narrow_storage_returns_every_value_bit_for_bit(dtype):
+    for row in ROWS:  # one compile per dtype, every row position
+        a = rows_of(dtype)
+        x = np.stack([a, a[::-1]], axis=1)  # (3, 2, n)
+        got = read_across_a_batch(jnp.asarray(x), jnp.int32(row))
+        for k in range(2):
+            assert_same_bits(got[k], x[:, k][row : row + 1])
+
+
+@jax.jit
+def push_then_contents(x, v):
+    """A ring's contents after a push at its front (its head moves): the whole
+    contents rotated right after the edit."""
+    sb = esb.ShiftBuffer.from_array(x, axis=0).insert(0, v)
+    return sb.array
+
+
+@pytest.mark.parametrize("dtype", _NARROW)
+def test_a_ring_s_contents_after_a_push_are_every_value_bit_for_bit(dtype):
+    a = bit_patterns(dtype)
+    got = push_then_contents(jnp.asarray(a), jnp.asarray(a[0]))
+    assert_same_bits(got[1:], a[:-1])
+
+
 # ---------------------------------------------------------------------------
 # Reads of tangents and cotangents: the same primitives, on the derivative buffers.
 
