@@ -753,7 +753,8 @@ def _scattered(storage, tok, update, starts, nbatch: int, ring: int | None = Non
         # storage written as bits was not written in place through the conversion
         # (a copy per step; see `_swap_impl`'s `body`).
         st1 = [jnp.reshape(i, ()) for i in st]
-        return lax.dynamic_update_slice(s[0], u[0], st1).reshape(storage.shape)
+        st1 = [jnp.zeros_like(st1[0]), *st1]
+        return lax.dynamic_update_slice(s, u, st1).reshape(storage.shape)
     if ring is None:
         write = lambda s1, u1, *st1: lax.dynamic_update_slice(s1, u1, st1)
     else:  # rows that wrap round the end of each element's ring (`_ring_scatter`)

@@ -620,6 +620,11 @@ def _one_edit_loss(edit: str):
                 y = v.astype(jnp.float32)
             elif edit == "insert":
                 b = b.insert(i, x)
+            elif edit == "ends":  # at the end of the only line, its row traced
+                n = a.shape[-1] - 1
+                b = b.delete((i * 0, n))
+                b, v = b.pop((0, np.int64(n)), mode="promise_in_bounds")
+                y = v.astype(jnp.float32)
             else:  # a delete at the front of the only line, at Python ints
                 b = b.delete((0, 0))
             return b, y
@@ -638,6 +643,9 @@ _BATCH_OF_ONE = [
     ((46,), jnp.bool_, "pop", "vmap"),
     ((21,), jnp.float32, "insert", "vmap(grad)"),
     ((1, 1805), jnp.bfloat16, "delete", "vmap"),
+    # Found by the next fuzzer run, after a batch of one's window was first
+    # written by indexing the batch's only element (2 copies a step).
+    ((1, 1633), jnp.float32, "ends", "vmap"),
 ]
 
 
