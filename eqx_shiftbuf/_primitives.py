@@ -1396,13 +1396,13 @@ def _reduced_read(storage, *starts, sizes, ring=None, nbatch=0):
     control dependencies before fusion): the pop's removed element was read again
     after the shift, a copy of the buffer per step under `vmap` with a batch of
     one."""
-    bshape = tuple(starts[0].shape) if nbatch else ()
-    d = _reduce_read(storage, 1, sizes) if math.prod(bshape) == 1 else None
-    if nbatch and d is not None:
-        flat = [jnp.reshape(st, ()) for st in starts]
-        window, bits = window_by_reduce(storage, flat, sizes, d)
-        return window.reshape(bshape + tuple(sizes)), bits
     if nbatch:
+        bshape = tuple(starts[0].shape)
+        d = _reduce_read(storage, 1, sizes) if math.prod(bshape) == 1 else None
+        if d is not None:
+            flat = [jnp.reshape(st, ()) for st in starts]
+            window, bits = window_by_reduce(storage, flat, sizes, d)
+            return window.reshape(bshape + tuple(sizes)), bits
         (g,) = lax.optimization_barrier((_batch_gather(storage, starts, sizes),))
         return g, g
     if ring is not None:
@@ -1459,11 +1459,20 @@ def _accum_unordered(storage, tok, window, *starts, scalars):
     return lowered(storage, tok, window, *starts, ordered=False, scalars=scalars)
 
 
+# The least size in bytes of a storage whose reads after an edit are made in a
+# conditional (`_edited_bits`). XLA:CPU runs a conditional in about 0.3 us, the
+# time of copying about 2 KiB: measured forward (200 steps, `promise_in_bounds`,
+# bfloat16, a traced insert or overwrite then a read of 16), the copy against the
+# conditional: 256 elements 0.59 against 0.92 us a step, 1024 elements 0.67
+# against 0.69, `(2, 4096)` 5.9 against 1.9.
+READ_IN_BRANCH_FROM_BYTES = 2048
+
+
 def _edited_bits(aval, value: ir.Value) -> bool:
     """Whether an operand `value` (of type `aval`) is moved as bits
-    (`moved_as_bits`) and computed in the function being lowered (an edit's
-    result, not an argument): then a read of it is made in a conditional of its
-    own (`_in_branch`).
+    (`moved_as_bits`), of at least `READ_IN_BRANCH_FROM_BYTES`, and computed in
+    the function being lowered (an edit's result, not an argument): then a read
+    of it is made in a conditional of its own (`_in_branch`).
 
     An edit of such a storage writes the bits of its carrier and converts them
     back; a read converts the storage to those bits again, which XLA folds, and
@@ -1477,27 +1486,17 @@ def _edited_bits(aval, value: ir.Value) -> bool:
     copy it saves: a `(2, 4096)` bfloat16 buffer overwritten then read, 1.37x plain
     `lax`'s forward with the copy, 0.47x in the conditional.
     """
-    return moved_as_bits(aval.dtype) and not isinstance(value.owner, ir.Block)
-
-
-# The least size in bytes of a storage whose reads after an edit are made in a
-# conditional (`_edited_bits`). XLA:CPU runs a conditional in about 0.3 us, the
-# time of copying about 2 KiB: measured forward (200 steps, `promise_in_bounds`,
-# bfloat16, a traced insert or overwrite then a read of 16), the copy against the
-# conditional: 256 elements 0.59 against 0.92 us a step, 1024 elements 0.67
-# against 0.69, `(2, 4096)` 5.9 against 1.9.
-READ_IN_BRANCH_FROM_BYTES = 2048
+    big = aval.size * aval.dtype.itemsize >= READ_IN_BRANCH_FROM_BYTES
+    return big and moved_as_bits(aval.dtype) and not isinstance(value.owner, ir.Block)
 
 
 def _read_in_branch(ctx, storage: ir.Value, params) -> bool:
-    """Whether a read is made in a conditional (`_edited_bits`): of a storage of
-    at least `READ_IN_BRANCH_FROM_BYTES`, and not where its window is the storage
-    itself (a whole read, not of a ring), which as the conditional's result would
-    be a copy of it."""
+    """Whether a read is made in a conditional (`_edited_bits`): not where its
+    window is the storage itself (a whole read, not of a ring), which as the
+    conditional's result would be a copy of it."""
     aval, window = ctx.avals_in[0], ctx.avals_out[1]
     itself = params.get("ring") is None and window.size >= aval.size
-    big = aval.size * aval.dtype.itemsize >= READ_IN_BRANCH_FROM_BYTES
-    return big and not itself and _edited_bits(aval, storage)
+    return not itself and _edited_bits(aval, storage)
 
 
 def _in_branch(f: Callable, key, *args):
@@ -1507,15 +1506,13 @@ def _in_branch(f: Callable, key, *args):
     passed them through float32, dropping their NaN payloads. Its operands enter
     it as they are: entering as bits, the storage's conversion was a second user
     of the edit that XLA computed apart from the buffer's write (a copy)."""
-    dtypes = jax.tree.map(lambda s: s.dtype, jax.eval_shape(f, *args))
+    shapes = jax.eval_shape(f, *args)
     bits = lambda *args: jax.tree.map(to_carrier, f(*args))
-
-    def skip(*args):
-        shapes = jax.eval_shape(bits, *args)
-        return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
-
+    skip = lambda *args: jax.tree.map(
+        lambda s: jnp.zeros(s.shape, carrier(s.dtype)), shapes
+    )
     out = lax.cond(opaque_zero(key) == 0, bits, skip, *args)
-    return jax.tree.map(from_carrier, out, dtypes)
+    return jax.tree.map(lambda o, s: from_carrier(o, s.dtype), out, shapes)
 
 
 def _read_impl_in_branch(storage, tok, *starts, **params):
@@ -1852,11 +1849,9 @@ rotate_p.def_abstract_eval(_rotate_abstract)
 
 
 def _rotate_lowering(ctx, x, shift, *, axis, contents=False):
-    aval = ctx.avals_in[0]
-    big = aval.size * aval.dtype.itemsize >= READ_IN_BRANCH_FROM_BYTES
     rotate = lambda x, shift: _rotate_impl(x, shift, axis=axis, contents=contents)
     impl = rotate
-    if contents and big and _edited_bits(aval, x):
+    if contents and _edited_bits(ctx.avals_in[0], x):
         # A ring's contents read whole right after an edit of it (a delay line's
         # `insert(0, x)`, then `read()`), in a conditional (`_edited_bits`; the
         # rotated contents are a new array either way). A head XLA finds constant
