@@ -93,8 +93,10 @@ buffers of one line each (rings too) is shifted as one `select` over the batch
 rows wrapping), all at once, as plain `lax` under `vmap`. Their JVPs and
 transposes are still accesses of this family, so `grad` adds no scatter-add into
 zeros. Small windows of a ring are one gather (`GATHER_RING_WINDOWS_UP_TO`);
-other window reads (not of each element's whole buffer, which is the storage
-itself) loop unless an edit follows them (below).
+larger ones that no edit follows, outside a derivative, one plain gather that XLA
+fuses into its readers (`_deferrable_ring_batch`); other window reads (not of
+each element's whole buffer, which is the storage itself) loop unless an edit
+follows them (below).
 Gathered with the token
 taken from the windows, a read's window was computed twice, for its reader and
 for its token (the natural rows `delay_taps` and `ring_taps` under `vmap`: 1.5-2.1x
@@ -337,7 +339,15 @@ def wrapped_starts(starts, wrap):
 
 
 def _read_impl(
-    storage, tok, *starts, sizes, nbatch=0, wrap=None, ring=None, in_loop=False
+    storage,
+    tok,
+    *starts,
+    sizes,
+    nbatch=0,
+    wrap=None,
+    ring=None,
+    in_loop=False,
+    residual=False,
 ):
     starts = wrapped_starts(starts, wrap)
     bshape, size = _batch_size(starts)
@@ -460,7 +470,9 @@ def _batch_aval(storage, shape, dtype, nbatch: int) -> ShapedArray:
     return storage.update(shape=tuple(shape), dtype=dtype, sharding=sharding)
 
 
-def _read_abstract(storage, tok, *starts, sizes, nbatch, wrap=None, ring=None):
+def _read_abstract(
+    storage, tok, *starts, sizes, nbatch, wrap=None, ring=None, residual=False
+):
     bshape = tuple(starts[0].shape) if starts else ()
     return (
         storage,
@@ -620,7 +632,9 @@ def _ring_reduced(storage, st, sizes: Sequence[int], ring: int):
 # of 4 to 64, batches of 3 and 16: 0.2-1.7x gathered, 0.3-2.2x with the loop (up
 # to 2.6x slower). Windows of 4 rows of 32 (the natural row `block_write`, a
 # batch of 4 rings of 1024 x 32): 1.76x gathered, 1.69x with the loop, and 4x
-# against 1.7x timed back to back, where XLA:CPU splits the gather over threads.
+# against 1.7x timed back to back, where XLA:CPU splits the gather over threads;
+# 1.07-1.16x as a plain gather fused into its reader where no edit follows it
+# (`_deferrable_ring_batch`).
 GATHER_RING_WINDOWS_UP_TO = 64
 
 
@@ -650,16 +664,25 @@ def _ring_read_impl(storage, tok, starts, sizes: Sequence[int], ring: int):
         out, bits = _ring_reduced(storage, st, sizes, ring)
         tok = _read_token(tok, bits)
     else:
-
-        def body(j, state):
-            s, out = state
-            return s, _put(out, j, _ring_gather(s, _element(starts, j), sizes, ring))
-
-        out = _loop_zeros(storage, (size,) + tuple(sizes))  # not a constant
-        storage, out = _loop(tok, size, body, (storage, out))
+        out = _ring_windows_in_loop(storage, starts, sizes, ring, _index_zero(tok))
         tok = _read_token(tok, out)
     out = from_carrier(out.reshape(bshape + tuple(sizes)), dtype)
     return from_carrier(storage, dtype), out, tok
+
+
+def _ring_windows_in_loop(storage, starts, sizes: Sequence[int], ring: int, zero):
+    """The windows of a batch of rings (`_ring_gather`), of shape `(batch,) +
+    sizes`, read in a loop over the batch (`loop_not_unrolled`, with the run-time
+    int32 zero `zero`), one window a trip."""
+    bshape, size = _batch_size(starts)
+
+    def body(j, state):
+        s, out = state
+        return s, _put(out, j, _ring_gather(s, _element(starts, j), sizes, ring))
+
+    out = _loop_zeros(storage, (size,) + tuple(sizes))  # not a constant
+    _, out = loop_not_unrolled(zero, size, body, (storage, out))
+    return out
 
 
 def _swap_impl(
@@ -1327,7 +1350,7 @@ def _pop_abstract(storage, tok, *idx, axis, fill, read, ordered, nbatch):
 # Definitions.
 
 
-def _deferrable(ctx, *, sizes, nbatch, wrap=None, ring=None) -> bool:
+def _deferrable(ctx, *, sizes, nbatch, wrap=None, ring=None, residual=False) -> bool:
     """Whether a read may be lowered as a plain slice (`deferred_read`): when
     `_read_impl` would read it through a reduction, of a dtype XLA:CPU moves exactly
     (`DEFERRABLE_DTYPES`)."""
@@ -1342,7 +1365,9 @@ def _deferrable(ctx, *, sizes, nbatch, wrap=None, ring=None) -> bool:
     )
 
 
-def _deferrable_batch(ctx, *, sizes, nbatch, wrap=None, ring=None) -> bool:
+def _deferrable_batch(
+    ctx, *, sizes, nbatch, wrap=None, ring=None, residual=False
+) -> bool:
     """Whether a batched read, which `_read_impl` reads in a loop over the batch,
     may be marked for an edit after it to make it a gather instead
     (`deferred_loop_read`): one window of each batch element's buffer, not a
@@ -1361,6 +1386,50 @@ def _deferrable_batch(ctx, *, sizes, nbatch, wrap=None, ring=None) -> bool:
         and not _touches_nothing(math.prod(bshape), sizes)
         and storage.dtype in DEFERRABLE_DTYPES
     )
+
+
+def _deferrable_ring_batch(
+    ctx, *, sizes, nbatch, wrap=None, ring=None, residual=False
+) -> bool:
+    """Whether a batched read of a ring's windows, which `_ring_read_impl` would
+    read in a loop over the batch (windows of more than
+    `GATHER_RING_WINDOWS_UP_TO` elements), may be lowered as one plain gather of
+    the windows (`deferred_read`), which XLA fuses into its readers: one window
+    of each element's buffer along one batch dimension, of a batch of more than
+    one (`_reduced_read` reads a batch of one), of a real dtype XLA:CPU moves
+    exactly (`DEFERRABLE_DTYPES`), with one token for the batch. An edit that
+    follows it materialises it (`_reduced_read`).
+
+    In the loop, a batch of 4 blocks of `(4, 32)` read from rings of
+    `(1024, 32)` (the natural row `block_write` under `vmap`) took 1.6-1.8x
+    plain `lax`'s forward, whose gather XLA fuses into its reader.
+
+    Not for the primal read of a derivative (`residual`, set by `_read_jvp`): its
+    window is also saved for the backward pass, XLA then writes the gather out in
+    a kernel of its own, and XLA:CPU splits that kernel over threads, which cost
+    more than the loop (a batch of 4 delay lines `(1024, 32)`, `insert(0, x)` then
+    a read of 4 rows: `vmap(grad)` 0.56 -> 0.80 ms, `grad(vmap)` 0.97 -> 1.43)."""
+    storage = ctx.avals_in[0]
+    bshape = tuple(ctx.avals_in[2].shape) if len(ctx.avals_in) > 2 else ()
+    return (
+        not residual
+        and nbatch == 1
+        and ring is not None
+        and ctx.avals_in[1].shape == ()
+        and math.prod(bshape) > 1
+        and math.prod(sizes) > GATHER_RING_WINDOWS_UP_TO
+        and _one_per_batch_element(storage, bshape, nbatch)
+        and not _each_element_whole(storage, bshape, sizes, nbatch)
+        and storage.dtype in DEFERRABLE_DTYPES
+    )
+
+
+def _ring_batch_gather(storage, starts, sizes: Sequence[int], ring: int):
+    """`_ring_gather` of one window of each batch element's ring, `starts` (of
+    the batch's shape, or scalars) broadcast to one shape."""
+    bshape = jnp.broadcast_shapes(*(jnp.shape(st) for st in starts))
+    starts = [jnp.broadcast_to(st, bshape) for st in starts]
+    return _ring_gather(storage, starts, sizes, ring)
 
 
 def _batch_gather(storage, starts, sizes: Sequence[int]):
@@ -1396,6 +1465,16 @@ def _reduced_read(storage, *starts, sizes, ring=None, nbatch=0):
     control dependencies before fusion): the pop's removed element was read again
     after the shift, a copy of the buffer per step under `vmap` with a batch of
     one."""
+    if nbatch and ring is not None:  # `_deferrable_ring_batch`
+        # In a loop over the batch, as `_ring_read_impl` reads them: gathered
+        # behind a barrier instead, a batch of 4 blocks of `(4, 32)` of rings of
+        # `(1024, 32)` read before a write of each took twice the loop's time.
+        dtype = storage.dtype
+        bits = _ring_windows_in_loop(
+            to_carrier(storage), starts, sizes, ring, jnp.int32(0)
+        )
+        bshape = jnp.broadcast_shapes(*(jnp.shape(st) for st in starts))
+        return from_carrier(bits.reshape(bshape + tuple(sizes)), dtype), bits
     if nbatch:
         bshape = tuple(starts[0].shape)
         d = _reduce_read(storage, 1, sizes) if math.prod(bshape) == 1 else None
@@ -1577,6 +1656,27 @@ def _define(name: str, impl: Callable, abstract: Callable, n_arrays: int) -> Pri
             lowered_once_per_call(ctx)
             window, tok = deferred_read(storage, tok, starts, sizes, ring, gather)
             return [storage, window, tok]
+        if not many and name == "esb_read" and _deferrable_ring_batch(ctx, **params):
+            storage, tok, *starts = args
+            sizes, ring = params["sizes"], params["ring"]
+
+            def batch_gather(storage, starts, ring=ring):
+                sub = ctx.replace(
+                    primitive=None,
+                    avals_in=[ctx.avals_in[0], *ctx.avals_in[2:]],
+                    avals_out=[ctx.avals_out[1]],
+                )
+                fn = lambda s, *st: [_ring_batch_gather(s, st, sizes, ring)]
+                (out,) = mlir.lower_fun(fn, multiple_results=True)(
+                    sub, storage, *starts
+                )
+                return out
+
+            lowered_once_per_call(ctx)
+            window, tok = deferred_read(
+                storage, tok, starts, sizes, ring, batch_gather, nbatch=1
+            )
+            return [storage, window, tok]
         if not many and name == "esb_read" and _deferrable_batch(ctx, **params):
             storage, tok, *starts = args
             tok, *starts = run_time_values([tok, *starts])
@@ -1700,7 +1800,9 @@ def _needs_order(storage, ordered: bool) -> bool:
     return ordered or _written_by_a_write(storage)
 
 
-def bind_read(storage, tok, starts, sizes, nbatch=0, wrap=None, ring=None):
+def bind_read(
+    storage, tok, starts, sizes, nbatch=0, wrap=None, ring=None, residual=False
+):
     """`(storage, window, token)`.
 
     `nbatch` (every helper here): how many leading dimensions of the storage are
@@ -1715,12 +1817,17 @@ def bind_read(storage, tok, starts, sizes, nbatch=0, wrap=None, ring=None):
     its own start (a stacking kernel per read per step).
 
     `ring`: the axis along which the window's rows wrap round the end of the
-    storage (`bind_swap`); read by a gather."""
+    storage (`bind_swap`); read by a gather.
+
+    `residual`: the primal read of a derivative, whose window may be saved for the
+    backward pass (`_deferrable_ring_batch`)."""
     # Without them, the parameters are left out: the equation is as before they
     # existed.
     extra = {} if wrap is None else {"wrap": wrap}
     if ring is not None:
         extra["ring"] = ring
+    if residual:
+        extra["residual"] = True
     return read_p.bind(
         storage, tok, *starts, sizes=tuple(sizes), nbatch=nbatch, **extra
     )
@@ -1935,9 +2042,12 @@ def _all_zero(*ts):
     return all(type(t) is ad.Zero for t in ts)
 
 
-def _read_jvp(primals, tangents, *, sizes, nbatch, wrap=None, ring=None):
+def _read_jvp(
+    primals, tangents, *, sizes, nbatch, wrap=None, ring=None, residual=False
+):
     storage, tok, *starts = primals
-    out = bind_read(storage, tok, starts, sizes, nbatch, wrap, ring)
+    # The primal window may be saved for the backward pass (`residual`).
+    out = bind_read(storage, tok, starts, sizes, nbatch, wrap, ring, residual=True)
     ts, tt = tangents[0], tangents[1]
     if type(ts) is ad.Zero:
         return out, [_zero_tangent(out[0]), _zero_tangent(out[1]), tt]
@@ -2051,7 +2161,9 @@ def _tok_ct(tok, ct):
     return ct if ad.is_undefined_primal(tok) else None
 
 
-def _read_transpose(cts, storage, tok, *starts, sizes, nbatch, wrap=None, ring=None):
+def _read_transpose(
+    cts, storage, tok, *starts, sizes, nbatch, wrap=None, ring=None, residual=False
+):
     ct_s, ct_w, ct_t = cts
     if _all_zero(ct_s, ct_w):
         return [ad.Zero(_aval(storage)), _tok_ct(tok, ct_t)] + [None] * len(starts)
@@ -2263,7 +2375,7 @@ def _tdim(tok) -> int | None:
     return 0 if jnp.ndim(tok) else None
 
 
-def _read_batch(args, dims, *, sizes, nbatch, wrap=None, ring=None):
+def _read_batch(args, dims, *, sizes, nbatch, wrap=None, ring=None, residual=False):
     if _same_window_of_each_element(args, dims, nbatch, 0):
         return _read_across_the_batch(args, dims, sizes, wrap, ring)
     if wrap is not None:  # the start resolved, on the batch of heads
@@ -2274,7 +2386,8 @@ def _read_batch(args, dims, *, sizes, nbatch, wrap=None, ring=None):
         sizes = (1,) + tuple(sizes)
         ring = None if ring is None else ring + 1  # the storage's new leading axis
     # A read of an unbatched storage at batched indices is not split over devices.
-    s, w, t = bind_read(storage, tok, idx, sizes, nbatch + 1 if sb else 0, ring=ring)
+    nb = nbatch + 1 if sb else 0
+    s, w, t = bind_read(storage, tok, idx, sizes, nb, ring=ring, residual=residual)
     if sb:
         w = w.reshape(w.shape[: len(idx[0].shape)] + w.shape[len(idx[0].shape) + 1 :])
     return (s, w, t), (0 if sb else None, 0, _tdim(t))

@@ -682,6 +682,7 @@ _READ_TOKEN = "esb.read_token"
 # A deferred gather's mark (`deferred_read`): its ring axis and window sizes.
 _RING = "esb.deferred_ring"
 _SIZES = "esb.deferred_sizes"
+_NBATCH = "esb.deferred_nbatch"
 
 
 def run_time_values(values: list) -> list:
@@ -691,13 +692,15 @@ def run_time_values(values: list) -> list:
 
 
 def deferred_read(
-    storage: ir.Value, tok: ir.Value, starts, sizes, ring=None, gather=None
+    storage: ir.Value, tok: ir.Value, starts, sizes, ring=None, gather=None, nbatch=0
 ):
     """`(window, token)`: the unbatched read `storage[starts : starts + sizes]`,
     lowered as a plain `dynamic_slice`, for `materialise_deferred_reads` to find.
     A window of a ring whose rows wrap along the axis `ring` is a plain gather
     instead, `gather(storage, starts)` (a `stablehlo.gather` of `storage`), and
-    its mark records `ring` and `sizes`.
+    its mark records `ring` and `sizes`; with `nbatch`, it is one window of each
+    buffer of a batch along `nbatch` leading dimensions, and the mark records
+    that too.
 
     The starts and the token go through one `optimization_barrier` (so that XLA
     sees the starts as run-time values, as in `run_time_indices`, and so that the
@@ -724,6 +727,8 @@ def deferred_read(
         i64 = ir.IntegerType.get_signless(64)
         window.operation.attributes[_RING] = ir.IntegerAttr.get(i64, ring)
         window.operation.attributes[_SIZES] = mlir.dense_int_array(list(sizes))
+        if nbatch:
+            window.operation.attributes[_NBATCH] = ir.IntegerAttr.get(i64, nbatch)
     hook = hlo.ReshapeOp(tok.type, tok)
     hook.operation.attributes[_READ_TOKEN] = ir.UnitAttr.get()
     return window.result, hook.result
@@ -1250,7 +1255,7 @@ def _materialise(ctx, mark: ir.Operation, reduced: Callable, token_after: Callab
     else:
         sliced = _operation(mark.operands[0].owner)
         assert sliced is not None
-        ring = None
+        ring, nbatch = None, 0
         if _RING in mark.attributes:  # a gather (`deferred_read`)
             ring = ir.IntegerAttr(mark.attributes[_RING]).value
             sizes = tuple(ir.DenseI64ArrayAttr(mark.attributes[_SIZES]))
@@ -1258,6 +1263,9 @@ def _materialise(ctx, mark: ir.Operation, reduced: Callable, token_after: Callab
             starts = list(barrier.results[1:])
             del mark.attributes[_RING]
             del mark.attributes[_SIZES]
+            if _NBATCH in mark.attributes:
+                nbatch = ir.IntegerAttr(mark.attributes[_NBATCH]).value
+                del mark.attributes[_NBATCH]
         else:
             barrier = _operation(sliced.operands[1].owner)
             starts = list(sliced.operands[1:])
@@ -1270,7 +1278,7 @@ def _materialise(ctx, mark: ir.Operation, reduced: Callable, token_after: Callab
             if op is not None and _READ_TOKEN in op.attributes
         )
         storage = sliced.operands[0]
-        fn = functools.partial(reduced, sizes=sizes, ring=ring)
+        fn = functools.partial(reduced, sizes=sizes, ring=ring, nbatch=nbatch)
         at, dead = sliced, sliced
     assert hook is not None and _READ_TOKEN in hook.attributes
     avals_in = [_aval_of(storage)] + [_aval_of(i) for i in starts]

@@ -339,6 +339,41 @@ def test_a_batch_of_short_line_shifts_runs_no_more_kernels_a_step_than_plain_lax
     assert lib_kernels <= plain_kernels
 
 
+def test_a_batch_of_ring_windows_no_edit_follows_is_one_gather():
+    # `block_write` under `vmap`: a `(4, 32)` block of each example's ring, read at
+    # its own row, which no edit follows in the step, is one gather that XLA fuses
+    # into its reader, as plain `lax`'s is, not a loop over the batch (1.6-1.8x
+    # plain `lax`'s forward). `_primitives._deferrable_ring_batch`.
+    row = natural.ROWS_BY_NAME["block_write"]
+    args = natural.args_for(row, "vmap", 50)
+    lib = jax.vmap(natural.make_loss(row, corpus.ESB_PROMISE), in_axes=(None, None, 0))
+    assert len(loop_kernels(lib, *args)) == 1  # the scan's: none over the batch
+
+
+def test_a_batch_of_ring_windows_saved_for_the_gradient_is_not_split_over_threads():
+    # Under `vmap(grad)` the window read after a delay line's push is also saved
+    # for the backward pass. As one gather, XLA writes it out in a kernel of its
+    # own, which XLA:CPU splits over threads (`outer_dimension_partitions`): the
+    # gradient took 1.4x as long. Such a read stays a loop over the batch.
+    def loss(s, a, rows, vs):
+        def step(b, rv):
+            r, v = rv
+            b = b.insert(0, jnp.full((32,), v), mode="promise_in_bounds")
+            b, w = b.read((r, jnp.int32(0)), (4, 32), mode="promise_in_bounds")
+            return b, (w * jnp.sin(w)).sum()
+
+        b, ys = lax.scan(step, esb.ShiftBuffer(a * s, axis=0), (rows, vs * s))
+        return ys.sum() + b.array.sum()
+
+    a = jnp.zeros((1024, 32), jnp.float32)
+    rows = jnp.arange(4 * 6, dtype=jnp.int32).reshape(4, 6) * 37
+    vs = jnp.ones((4, 6), jnp.float32)
+    fn = jax.vmap(jax.grad(loss), in_axes=(None, None, 0, 0))
+    for body, lines in loop_bodies(fn, jnp.float32(0.5), a, rows, vs).items():
+        split = [ln for ln in lines if "gather" in ln and "dimension_partitions" in ln]
+        assert split == [], f"{body}: {split}"
+
+
 # Rows whose accesses, under `vmap`, have indices the whole batch shares (Python
 # ints; taps at static offsets from a ring's head, which the batch shares when
 # its steps move every head alike): each is one access of a window across the
