@@ -6,6 +6,7 @@ from collections.abc import Sequence
 from typing import Any, cast
 
 import equinox as eqx
+import jax
 import jax.numpy as jnp
 import jax.tree_util as jtu
 import numpy as np
@@ -44,6 +45,12 @@ class ShiftBuffer(eqx.Module):
     `eqx.partition(model, lambda x: eqx.is_inexact_array(x) and not
     isinstance(x, ShiftBuffer), is_leaf=lambda x: isinstance(x, ShiftBuffer))`.
     See the documentation's "Buffers in models".
+
+    **Gradients with respect to a buffer.** `jax.grad(loss)(buf)` is a pytree of
+    `buf`'s structure, its storage's gradient laid out as `buf`'s storage is: add
+    it to `buf` leaf by leaf. For the gradient with respect to the contents, use
+    `buf.gradient_array(grad)`, not `grad.array`, which is rotated where an edit
+    moved a ring's head; and build a tangent of `buf` with `buf.tangent_of(t)`.
 
     **A batch of buffers** (`jax.vmap(ShiftBuffer.from_array)(arrays)`,
     `eqx.filter_vmap`, or what a vmapped edit returns) is the same pytree with a
@@ -240,6 +247,85 @@ class ShiftBuffer(eqx.Module):
         # `grad` and `vmap(grad)` for `buf.array[:8]` after an insert). The read's
         # transpose accumulates it in place (`accum_p`, `_xla.fold_cotangent_sum`).
         return self.read()[1]
+
+    def gradient_array(self, grad: "ShiftBuffer") -> Array:
+        """The gradient with respect to this buffer's contents, `.array`, from its
+        gradient with respect to the buffer itself.
+
+        `jax.grad` (or `eqx.filter_grad`, `jax.vjp`) with respect to a
+        `ShiftBuffer` returns a pytree of the same structure: the gradient of
+        each leaf, the storage's laid out as this buffer's storage is, so that
+        `jax.tree.map(lambda x, g: x - lr * g, buf, grad)` updates the contents
+        it should. A buffer of one line is stored as a ring, rotated by its head;
+        the gradient's head leaf is that head's gradient, 0, so where an edit
+        moved this buffer's head (`insert(0, x)` of a delay line), `grad.array`
+        is the gradient rotated. This unrotates it.
+
+        **Arguments:**
+
+        - `grad`: the gradient of a function with respect to this buffer, or a
+          cotangent of it (a pytree of this buffer's structure and storage shape).
+
+        **Returns:**
+
+        An array of `self.shape`: the gradient with respect to `self.array`.
+        """
+        storage = jnp.asarray(grad._storage)
+        if storage.shape != self._storage.shape:
+            raise ValueError(
+                f"`grad` must be a gradient of this buffer, with storage of shape "
+                f"{self._storage.shape}; got shape {storage.shape}."
+            )
+        if self._ring() is None:
+            return storage
+        axis = self.axis
+
+        def unrotated(s, head):
+            return _ops.logical(s, _ops.Ring(head, axis))
+
+        for _ in self.batch_shape:  # one head per buffer of a batch
+            unrotated = jax.vmap(unrotated)
+        return unrotated(storage, self._head)
+
+    def tangent_of(self, array: ArrayLike) -> "ShiftBuffer":
+        """A tangent of this buffer whose contents are `array`: the tangent to pass
+        to `jax.jvp` for a `ShiftBuffer` primal, or the cotangent to pass to a
+        `jax.vjp` function for a `ShiftBuffer` output. The inverse of
+        [`eqx_shiftbuf.ShiftBuffer.gradient_array`][].
+
+        A tangent must be laid out as the primal's storage is:
+        `ShiftBuffer.from_array(array)` is not, for a ring whose head an edit moved.
+
+        **Arguments:**
+
+        - `array`: the tangent of the contents, of `self.shape`.
+
+        **Returns:**
+
+        A `ShiftBuffer` of this buffer's structure: `array` laid out as this
+        buffer's storage, and zero tangents for its other leaves.
+        """
+        arr = jnp.asarray(array)
+        if arr.shape != self._storage.shape:
+            raise ValueError(
+                f"`array` must have this buffer's shape {self._storage.shape}; got "
+                f"shape {arr.shape}."
+            )
+        storage = arr
+        if self._ring() is not None:
+            axis, n = self.axis, self.capacity
+
+            def rotated(x, head):
+                shift = n - head.astype(jnp.int32)
+                return _ops._rotate(x, jnp.where(shift == n, 0, shift), axis)
+
+            for _ in self.batch_shape:  # one head per buffer of a batch
+                rotated = jax.vmap(rotated)
+            storage = rotated(arr, jnp.asarray(self._head))
+        zero = lambda x: jnp.zeros(jnp.shape(x), jnp.float32)
+        return self._replace(
+            storage, zero(self._error), zero(self._token), zero(self._head)
+        )
 
     @property
     def batch_shape(self) -> tuple[int, ...]:

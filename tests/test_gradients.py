@@ -170,6 +170,84 @@ def test_grad_and_jvp_take_a_shiftbuffer_argument_like_an_array():
     np.testing.assert_allclose(got, want, rtol=RTOL)
 
 
+# Buffers whose head two pushes at the front moved where they are rings (one
+# line), and a buffer of two lines (stored as it is) as the control; the last, a
+# batch of two rings.
+_MOVED = [
+    ((7,), 0, ()),
+    ((6, 3), 0, ()),
+    ((1, 9), 1, ()),
+    ((2, 5), 1, ()),
+    ((7,), 0, (2,)),
+]
+
+
+def _moved_buffer(shape, axis, batch):
+    """`(buffer, loss)`: a buffer made from random contents with two values pushed
+    at the front, and a loss of its contents through `lax.scan` of pops."""
+    x = _rand(batch + shape, 0)
+    front = (0,) * (axis + 1)
+    vshape = shape[axis + 1 :]
+
+    def make(x):
+        b = esb.ShiftBuffer(x, axis=axis)
+        for k in range(2):
+            b = b.insert(front, jnp.full(vshape, 10.0 + k))
+        return b
+
+    make_all = make
+    for _ in batch:
+        make_all = jax.vmap(make_all)
+    weights = jnp.cos(jnp.arange(np.prod(batch + shape))).reshape(batch + shape)
+
+    def loss(buf):
+        def step(b, c):
+            b, y = b.pop((0,) * axis + (c,))
+            return b, y.sum()
+
+        pops = jnp.array([1, shape[axis] - 2], jnp.int32)
+        pop_all = lambda b: lax.scan(step, b, pops)
+        for _ in batch:
+            pop_all = jax.vmap(pop_all)
+        b, ys = pop_all(buf)
+        return (weights * jnp.sin(b.array)).sum() + ys.sum()
+
+    return make_all(x), loss
+
+
+@pytest.mark.parametrize("shape, axis, batch", _MOVED)
+def test_gradient_array_is_the_gradient_with_respect_to_the_contents(
+    shape, axis, batch
+):
+    # The gradient with respect to a buffer is laid out as its storage, which for
+    # a ring whose head moved is rotated: its own `.array` is not the gradient
+    # with respect to the contents (with the head 0, the gradient's).
+    buf, loss = _moved_buffer(shape, axis, batch)
+    grad = jax.grad(loss)(buf)
+    as_contents = lambda x: loss(_like(buf, x, axis, batch))
+    want = jax.grad(as_contents)(buf.array)
+    np.testing.assert_allclose(buf.gradient_array(grad), want, rtol=RTOL)
+
+
+@pytest.mark.parametrize("shape, axis, batch", _MOVED)
+def test_tangent_of_is_a_tangent_of_the_contents(shape, axis, batch):
+    buf, loss = _moved_buffer(shape, axis, batch)
+    t = _rand(buf.shape, 1)
+    _, got = jax.jvp(loss, (buf,), (buf.tangent_of(t),))
+    as_contents = lambda x: loss(_like(buf, x, axis, batch))
+    _, want = jax.jvp(as_contents, (buf.array,), (t,))
+    np.testing.assert_allclose(got, want, rtol=RTOL)
+    np.testing.assert_allclose(buf.gradient_array(buf.tangent_of(t)), t, rtol=RTOL)
+
+
+def _like(buf, x, axis, batch):
+    """A buffer (a batch, as `buf`) holding the contents `x`, its head not moved."""
+    make = lambda x: esb.ShiftBuffer(x, axis=axis)
+    for _ in batch:
+        make = jax.vmap(make)
+    return make(x)
+
+
 # -- through lax.scan of random edit sequences (overlapping, out-of-order indices)
 
 STEPS = 10
