@@ -738,8 +738,9 @@ def _static_end(index: Any, axis: int, cap: int) -> str | None:
 # towards the front, the head moves and `[0, p)` shifts the other way. Each side
 # is a read and a write of that window (a gather and a scatter where it may wrap
 # round the storage), O(min(p, K - p)), where a shift of the whole line is a
-# `select` over the buffer and its materialised roll, three kernels over all of
-# it (2.5-6x plain `lax`'s static concatenations, forward, on a (1024, 32) ring).
+# `select` over the buffer and its materialised roll, two kernels over all of it
+# (4.7x plain `lax`'s static concatenations, forward, on a (1024, 32) ring;
+# `benchmarks/experiments/window_shifts.py`).
 def _window_shift_side(b: Leaves, index: Any, axis: int) -> tuple[int, str] | None:
     """`(p, side)` where a shift of the ring `b` at the user's `index` moves a
     window (`side` 'back' or 'front', the nearer end): `index`'s entry along the

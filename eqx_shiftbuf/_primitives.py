@@ -177,7 +177,7 @@ from ._xla import (
     on_several_devices,
     opaque_zero,
     pick_by_max,
-    rolled_by_reduce,
+    rolled_in_branch,
     run_time_indices,
     run_time_values,
     split_over_devices,
@@ -831,17 +831,10 @@ def _positions(line, col, head, ax: int = 0, nbatch: int = 0):
 
 def _rolled(line, shift: int, ax: int | None):
     """`jnp.roll(line, shift)` along axis 0, or, where `line` is the whole buffer,
-    along its axis `ax`, materialised (`rolled_by_reduce`; a complex line part by
-    part)."""
+    along its axis `ax`, materialised (`rolled_in_branch`)."""
     if ax is None:
         return jnp.roll(line, shift, 0)
-    if jnp.issubdtype(line.dtype, jnp.complexfloating):
-        # Each part materialised (a complex value has no bits dtype to move it
-        # as): with the roll fused into the `select`, a complex line was copied
-        # every step, as any other (1 forward, 2 in grad and jvp).
-        re = rolled_by_reduce(jnp.real(line), shift, ax)
-        return lax.complex(re, rolled_by_reduce(jnp.imag(line), shift, ax))
-    return rolled_by_reduce(line, shift, ax)
+    return rolled_in_branch(line, shift, ax)
 
 
 def _shift_right(line, col, v, head=None, ax: int | None = None, nbatch: int = 0):
@@ -900,7 +893,7 @@ def _shift(storage, tok, idx, axis, new_line, ordered, want_lines=False, values=
     bshape, size = _batch_size(idx)
     if _whole_line(storage, size, axis) and not want_lines:
         # The line is the whole buffer: shifted in its own shape, along `axis`,
-        # with its roll materialised (`rolled_by_reduce`), so that the `select`
+        # with its roll materialised (`rolled_in_branch`), so that the `select`
         # reads the buffer and the roll at the positions it writes, in place. Read
         # as a slice and reshaped, a `(1, n)` line's `select` kernel ended in a
         # reshape, and XLA:CPU wrote it out of place (a copy per step).

@@ -571,8 +571,8 @@ def _rolled_by_pad(x, shift: int, axis: int):
     consumer along the leading axis or along the only line, but along a later axis
     of several lines (a batch of 1-D buffers under `vmap`) it made the slices and
     the concatenate three kernels over the buffer. Padded, the roll is one
-    kernel with its consumer there, and no slower elsewhere: `rolled_by_reduce` of
-    a `(3, 4096)` batch took 7.9 us with `jnp.roll` and 3.1 us padded, of a batch
+    kernel with its consumer there, and no slower elsewhere: the roll (then read
+    through a `reduce_window`) of a `(3, 4096)` batch took 7.9 us with `jnp.roll` and 3.1 us padded, of a batch
     of delay lines `(3, 1024, 32)` along axis 1 84 and 42 us, and the same (3.1
     us) for one line of 12288 elements (a loop of 100 rolls, XLA:CPU).
     """
@@ -590,31 +590,31 @@ def _rolled_by_pad(x, shift: int, axis: int):
     return jnp.where(lax.broadcasted_iota(jnp.int32, x.shape, axis) == edge, wrapped, r)
 
 
-def rolled_by_reduce(x, shift: int, axis: int = 0):
-    """`jnp.roll(x, shift, axis)`, materialised: read as a `max` over pairs of the
-    rolled bits and zeros (a `reduce_window`), exact for every real or bool dtype.
+def rolled_in_branch(x, shift: int, axis: int = 0):
+    """`jnp.roll(x, shift, axis)`, materialised: computed in a conditional whose
+    predicate is always true, but not to XLA (`opaque_zero` of `x`'s first
+    element), moved as bits (`carrier`). Exact for every dtype.
 
     A shift of a buffer of one line at a traced position is one `select` over the
     whole buffer between the line and its roll. XLA:CPU fused the roll into that
     `select`, whose kernel then read the buffer at shifted positions and could not
     write it in place: a copy of the buffer per step for a single traced insert,
     delete or pop (1 forward, 2 in grad and jvp; a (4096,) buffer, a `(256, 64)`
-    delay line). XLA does not fuse a `reduce_window` into its consumers: the roll
-    is written once, and the `select` reads the buffer and it at the same
-    positions, in place. Pinned by `tests/test_one_line.py`; its exactness by
-    `tests/test_ring.py::test_shifts_and_writes_move_every_bit_pattern`.
+    delay line). XLA does not fuse into a conditional's users: the roll is
+    written once, in one kernel, and the `select` reads the buffer and it at the
+    same positions, in place. Read as a `max` over pairs of the rolled bits and
+    zeros (a `reduce_window`, which XLA does not fuse into its users either) it
+    took two kernels, and a traced insert a step took 1.2-1.5x as long (1.18
+    against 0.78 us on a (4096,) line, 4.6 against 3.4 us on 16384, 33 against
+    24 us on 65536; XLA:CPU). Pinned by `tests/test_one_line.py`; its exactness
+    by `tests/test_ring.py::test_shifts_and_writes_move_every_bit_pattern`.
     """
-    r = _rolled_by_pad(x, shift, axis)
-    window = (1,) * x.ndim + (2,)
-    if x.dtype == jnp.bool_:  # False is the lowest bool
-        both = jnp.stack([r, jnp.zeros_like(r)], -1)
-        return lax.reduce_window(both, False, lax.max, window, window, "VALID")[..., 0]
-    ubits = bits_dtype(x.dtype)
-    bits = lax.bitcast_convert_type(r, ubits)
-    both = jnp.stack([bits, jnp.zeros_like(bits)], -1)
-    zero = jnp.zeros((), ubits)
-    out = lax.reduce_window(both, zero, lax.max, window, window, "VALID")
-    return lax.bitcast_convert_type(out[..., 0], x.dtype)
+    dtype = x.dtype
+    bits = to_carrier(x)
+    rolled = lambda b: _rolled_by_pad(b, shift, axis)
+    first = x.reshape(-1)[:1]
+    out = lax.cond(opaque_zero(first) == 0, rolled, lambda b: jnp.zeros_like(b), bits)
+    return from_carrier(out, dtype)
 
 
 def window_by_reduce(s, st, sizes, d: int):

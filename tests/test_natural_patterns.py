@@ -53,7 +53,7 @@ IN_PLACE = [
     ("one_d", "grad"),
     ("one_d", "jvp"),
     # Two shifts of one line, nothing read between them: the roll of each is
-    # materialised (`_xla.rolled_by_reduce`); plain `lax` copies.
+    # materialised (`_xla.rolled_in_branch`); plain `lax` copies.
     ("one_d_del", "fwd"),
     ("one_d_del", "grad"),
     ("one_d_del", "jvp"),

@@ -5,9 +5,9 @@ The line is the whole buffer (a 1-D buffer, a `(1, n)` row, a delay line or stac
 one `select` over the buffer, between it and its roll. XLA:CPU fused the roll into
 the `select`, whose kernel then read the buffer at shifted positions and wrote a new
 one: a copy per step for a single traced insert, delete or pop, and for two shifts
-with nothing read between them, in every mode. The roll is now materialised by a
-`reduce_window` (`_xla.rolled_by_reduce`) and the line shifted in the buffer's own
-shape. These tests count the copies under each mode, for shapes, step bodies and
+with nothing read between them, in every mode. The roll is now materialised in a
+conditional of its own (`_xla.rolled_in_branch`) and the line shifted in the
+buffer's own shape. These tests count the copies under each mode, for shapes, step bodies and
 differentiated arguments the corpus's rows do not cover (a gradient with respect to
 the buffer alone, a popped value that is not used).
 """
@@ -80,9 +80,10 @@ def _complex_loss(ops):
 
 
 def test_traced_shifts_of_a_complex_line_copy_nothing_and_match_plain_jnp():
-    # A complex value has no bits dtype for `rolled_by_reduce`: its roll was left
-    # to XLA, which fused it into the shift's `select` and copied the line every
-    # step (1 forward, 2 in grad and jvp). Each part's roll is now materialised.
+    # A complex value has no bits dtype to read its roll through a reduction: its
+    # roll was left to XLA, which fused it into the shift's `select` and copied
+    # the line every step (1 forward, 2 in grad and jvp). It is now materialised
+    # (`_xla.rolled_in_branch`).
     s, a, xs = shifts.args((4096,), 0)
     a = (a * np.linspace(0.5, 1.5, a.size) * (1 - 1j)).astype(np.complex64)
     for mode in ("fwd", "grad"):

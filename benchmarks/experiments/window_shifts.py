@@ -13,19 +13,25 @@ gradient makes a step; all three versions' gradients are compared.
 
     python benchmarks/experiments/window_shifts.py [--cases 1024x32:512:600,4096:3:4090]
 
-Measured (jax 0.10.2, this project's 2-core CPU, one run; columns: window, whole
-line, plain lax, each "fwd / grad ms (copies a step in grad)"):
+Measured (jax 0.10.2, this project's 2-core CPU, one run, 2026-12-07, the whole
+line's roll written in a conditional (`_xla.rolled_in_branch`); columns: window,
+whole line, plain lax, each "fwd / grad ms (copies a step in grad)"):
 
-    (1024, 32)   P=512   Q=600   1.05 / 2.71 (0)  4.81 / 9.53 (0)  0.83 / 2.83 (1)
-    (1024, 32)   P=900   Q=1000  0.26 / 0.59 (0)  5.05 / 9.34 (0)  0.83 / 2.80 (1)
-    (4096,)      P=3900  Q=4000  0.16 / 0.28 (0)  0.29 / 0.61 (0)  0.14 / 0.34 (1)
-    (4096,)      P=1024  Q=3000  0.30 / 0.62 (0)  0.28 / 0.59 (0)  0.15 / 0.31 (1)
-    (1024, 4)    P=512   Q=600   0.33 / 0.58 (0)  0.28 / 0.56 (0)  0.10 / 0.37 (1)
+    (1024, 32)   P=512   Q=600   1.00 / 2.68 (0)  3.45 / 4.05 (0)  0.74 / 2.70 (1)
+    (1024, 32)   P=900   Q=1000  0.22 / 0.53 (0)  3.46 / 4.28 (0)  0.74 / 2.66 (1)
+    (4096,)      P=3900  Q=4000  0.12 / 0.23 (0)  0.24 / 0.44 (0)  0.15 / 0.30 (1)
+    (4096,)      P=1024  Q=3000  0.24 / 0.44 (0)  0.24 / 0.43 (0)  0.15 / 0.31 (1)
+    (1024, 4)    P=512   Q=600   0.29 / 0.53 (0)  0.26 / 0.49 (0)  0.08 / 0.36 (1)
+
+(With the roll read through a `reduce_window`, the code before, the whole line
+took 4.81 / 9.53 ms on the first row and 0.29 / 0.61 on the third.)
 
 The (4096,) line at P=1024, Q=3000 takes the whole-line shift for both edits,
 and the (1024, 4) one for the insert: `_ops._ROW_COST` moves a window of `m`
 elements of `row` values where `m * (row + 5) <= K * row` (windows up to a sixth
-of a 1-D line), fitted to where the two cost the same on this machine. Where
+of a 1-D line), fitted to where the two cost the same on this machine with the
+`reduce_window` roll; the rows above still choose the faster of the two or one
+within 10%. Where
 plain `lax` does not copy (the forward), its static concatenations remain
 faster than either but for windows of a few elements.
 """
