@@ -161,6 +161,7 @@ from ._xla import (
     explicit_sharding,
     fold_cotangent_sum,
     from_carrier,
+    in_branch,
     is_zeros,
     loop_not_unrolled,
     lowered_at,
@@ -674,7 +675,7 @@ def _ring_windows_in_loop(storage, starts, sizes: Sequence[int], ring: int, zero
     """The windows of a batch of rings (`_ring_gather`), of shape `(batch,) +
     sizes`, read in a loop over the batch (`loop_not_unrolled`, with the run-time
     int32 zero `zero`), one window a trip."""
-    bshape, size = _batch_size(starts)
+    _, size = _batch_size(starts)
 
     def body(j, state):
         s, out = state
@@ -1419,7 +1420,8 @@ def _deferrable_ring_batch(
 
 def _ring_batch_gather(storage, starts, sizes: Sequence[int], ring: int):
     """`_ring_gather` of one window of each batch element's ring, `starts` (of
-    the batch's shape, or scalars) broadcast to one shape."""
+    the batch's shape, or scalars) broadcast to one shape; with every start a
+    scalar, the one window of an unbatched ring."""
     bshape = jnp.broadcast_shapes(*(jnp.shape(st) for st in starts))
     starts = [jnp.broadcast_to(st, bshape) for st in starts]
     return _ring_gather(storage, starts, sizes, ring)
@@ -1544,7 +1546,7 @@ def _edited_bits(aval, value: ir.Value) -> bool:
     """Whether an operand `value` (of type `aval`) is moved as bits
     (`moved_as_bits`), of at least `READ_IN_BRANCH_FROM_BYTES`, and computed in
     the function being lowered (an edit's result, not an argument): then a read
-    of it is made in a conditional of its own (`_in_branch`).
+    of it is made in a conditional of its own (`in_branch`).
 
     An edit of such a storage writes the bits of its carrier and converts them
     back; a read converts the storage to those bits again, which XLA folds, and
@@ -1571,29 +1573,13 @@ def _read_in_branch(ctx, storage: ir.Value, params) -> bool:
     return not itself and _edited_bits(aval, storage)
 
 
-def _in_branch(f: Callable, key, *args):
-    """`f(*args)`, computed in a conditional whose predicate is always true, but
-    not to XLA (`opaque_zero(key)`); see `_edited_bits`. Its results leave the
-    conditional as their carriers' bits (`to_carrier`): as bfloat16, XLA:CPU
-    passed them through float32, dropping their NaN payloads. Its operands enter
-    it as they are: entering as bits, the storage's conversion was a second user
-    of the edit that XLA computed apart from the buffer's write (a copy)."""
-    shapes = jax.eval_shape(f, *args)
-    bits = lambda *args: jax.tree.map(to_carrier, f(*args))
-    skip = lambda *args: jax.tree.map(
-        lambda s: jnp.zeros(s.shape, carrier(s.dtype)), shapes
-    )
-    out = lax.cond(opaque_zero(key) == 0, bits, skip, *args)
-    return jax.tree.map(lambda o, s: from_carrier(o, s.dtype), out, shapes)
-
-
 def _read_impl_in_branch(storage, tok, *starts, **params):
-    """`_read_impl`, in a conditional (`_in_branch`) keyed on a start, which
+    """`_read_impl`, in a conditional (`in_branch`) keyed on a start, which
     `run_time_indices` makes a run-time value (a token XLA finds constant would
     fold the conditional away)."""
     read = lambda *args: _read_impl(*args, **params)[1:]
     key = starts[0] if starts else tok
-    window, tok = _in_branch(read, key, storage, tok, *starts)
+    window, tok = in_branch(read, key, storage, tok, *starts)
     return storage, window, tok
 
 
@@ -1627,33 +1613,19 @@ def _define(name: str, impl: Callable, abstract: Callable, n_arrays: int) -> Pri
                 return out
         if params.get("wrap") is not None:  # the start resolved first
             ctx, args = _with_wrapped_starts(ctx, args, params.pop("wrap"))
-        if not many and name == "esb_read" and _deferrable(ctx, **params):
+        if (
+            not many
+            and name == "esb_read"
+            and (_deferrable(ctx, **params) or _deferrable_ring_batch(ctx, **params))
+        ):
             storage, tok, *starts = args
             sizes, ring = params["sizes"], params.get("ring")
 
             def gather(storage, starts, ring=ring):
-                # The plain gather of a ring's window, for `deferred_read` (a
-                # plain read is a `dynamic_slice`, with no gather).
+                # The plain gather of a ring's window, or of one window of each
+                # batch element's ring, for `deferred_read` (a plain read is a
+                # `dynamic_slice`, with no gather).
                 assert ring is not None
-                sub = ctx.replace(
-                    primitive=None,
-                    avals_in=[ctx.avals_in[0], *ctx.avals_in[2:]],
-                    avals_out=[ctx.avals_out[1]],
-                )
-                fn = lambda s, *st: [_ring_gather(s, st, sizes, ring)]
-                (out,) = mlir.lower_fun(fn, multiple_results=True)(
-                    sub, storage, *starts
-                )
-                return out
-
-            lowered_once_per_call(ctx)
-            window, tok = deferred_read(storage, tok, starts, sizes, ring, gather)
-            return [storage, window, tok]
-        if not many and name == "esb_read" and _deferrable_ring_batch(ctx, **params):
-            storage, tok, *starts = args
-            sizes, ring = params["sizes"], params["ring"]
-
-            def batch_gather(storage, starts, ring=ring):
                 sub = ctx.replace(
                     primitive=None,
                     avals_in=[ctx.avals_in[0], *ctx.avals_in[2:]],
@@ -1667,7 +1639,7 @@ def _define(name: str, impl: Callable, abstract: Callable, n_arrays: int) -> Pri
 
             lowered_once_per_call(ctx)
             window, tok = deferred_read(
-                storage, tok, starts, sizes, ring, batch_gather, nbatch=1
+                storage, tok, starts, sizes, ring, gather, nbatch=params["nbatch"]
             )
             return [storage, window, tok]
         if not many and name == "esb_read" and _deferrable_batch(ctx, **params):
@@ -1957,7 +1929,7 @@ def _rotate_lowering(ctx, x, shift, *, axis, contents=False):
         # rotated contents are a new array either way). A head XLA finds constant
         # (only window writes edit the ring) folds the conditional away, and the
         # rotation with it (`_rotate_impl`).
-        impl = lambda x, shift: _in_branch(rotate, shift, x, shift)
+        impl = lambda x, shift: in_branch(rotate, shift, x, shift)
     return mlir.lower_fun(impl, multiple_results=False)(ctx, x, shift)
 
 

@@ -590,10 +590,28 @@ def _rolled_by_pad(x, shift: int, axis: int):
     return jnp.where(lax.broadcasted_iota(jnp.int32, x.shape, axis) == edge, wrapped, r)
 
 
+def in_branch(f: Callable, key, *args):
+    """`f(*args)`, computed in a conditional whose predicate is always true, but
+    not to XLA (`opaque_zero(key)`), which XLA does not fuse into the
+    conditional's users (see `_primitives._edited_bits`, `rolled_in_branch`). Its
+    results leave the conditional as their carriers' bits (`to_carrier`): as
+    bfloat16, XLA:CPU passed them through float32, dropping their NaN payloads.
+    Its operands enter it as they are: entering as bits, the storage's conversion
+    was a second user of the edit that XLA computed apart from the buffer's write
+    (a copy)."""
+    shapes = jax.eval_shape(f, *args)
+    bits = lambda *args: jax.tree.map(to_carrier, f(*args))
+    skip = lambda *args: jax.tree.map(
+        lambda s: jnp.zeros(s.shape, carrier(s.dtype)), shapes
+    )
+    out = lax.cond(opaque_zero(key) == 0, bits, skip, *args)
+    return jax.tree.map(lambda o, s: from_carrier(o, s.dtype), out, shapes)
+
+
 def rolled_in_branch(x, shift: int, axis: int = 0):
     """`jnp.roll(x, shift, axis)`, materialised: computed in a conditional whose
-    predicate is always true, but not to XLA (`opaque_zero` of `x`'s first
-    element), moved as bits (`carrier`). Exact for every dtype.
+    predicate is always true, but not to XLA (`in_branch`, keyed on `x`), moved as
+    bits (`carrier`). Exact for every dtype.
 
     A shift of a buffer of one line at a traced position is one `select` over the
     whole buffer between the line and its roll. XLA:CPU fused the roll into that
@@ -609,12 +627,10 @@ def rolled_in_branch(x, shift: int, axis: int = 0):
     24 us on 65536; XLA:CPU). Pinned by `tests/test_one_line.py`; its exactness
     by `tests/test_ring.py::test_shifts_and_writes_move_every_bit_pattern`.
     """
-    dtype = x.dtype
-    bits = to_carrier(x)
-    rolled = lambda b: _rolled_by_pad(b, shift, axis)
-    first = x.reshape(-1)[:1]
-    out = lax.cond(opaque_zero(first) == 0, rolled, lambda b: jnp.zeros_like(b), bits)
-    return from_carrier(out, dtype)
+    # (Rolled as bits: XLA:CPU moves the bfloat16 and float8 values of a pad
+    # through float32, see `carrier`.)
+    rolled = in_branch(lambda b: _rolled_by_pad(b, shift, axis), x, to_carrier(x))
+    return from_carrier(rolled, x.dtype)
 
 
 def window_by_reduce(s, st, sizes, d: int):
