@@ -631,11 +631,15 @@ def _wrap(p: jax.Array, n: int) -> jax.Array:
     return jnp.where(p >= n, p - n, p)
 
 
-def _rotate(x: jax.Array, shift: jax.Array, axis: int) -> jax.Array:
+def _rotate(
+    x: jax.Array, shift: jax.Array, axis: int, ordered: bool = False
+) -> jax.Array:
     """`out[j] = x[(j + shift) % n]` along `axis`, for `shift` in `[0, n]`: a
-    ring's contents in or out of its storage (`rotate_p`'s `contents`)."""
+    ring's contents in or out of its storage (`rotate_p`'s `contents`).
+    `ordered`: a read that the next edit waits for (`rotate_p`'s `ordered`)."""
     shift = jnp.asarray(shift, jnp.int32)
-    return P.rotate_p.bind(x, shift, axis=axis, contents=True)
+    extra = {"ordered": True} if ordered else {}
+    return P.rotate_p.bind(x, shift, axis=axis, contents=True, **extra)
 
 
 def _moved(b: Leaves, storage: Any, error: Any, token: Any, head: Any) -> Leaves:
@@ -688,7 +692,10 @@ def _ring_read(
         return P.bind_read(b.storage, b.token, at(p), sizes)
     if n == cap:
         storage, window, tok = P.bind_read(b.storage, b.token, at(p * 0), sizes)
-        return storage, _rotate(window, head, ax), tok
+        # (The next edit waits for the rotation: `_primitives.after_p`.)
+        window = _rotate(window, head, ax, ordered=True)
+        tok = P.after_p.bind(tok, window, jnp.asarray(head, jnp.int32))
+        return storage, window, tok
     if static is not None:  # the head saved, not the start (as for one row)
         wrap = (ax, static, cap)
         at_head = at(b.ring.head)

@@ -15,7 +15,8 @@ A ring (`_ops.Ring`: a buffer of one line, stored rotated by a head) passes its
 head to `insert_p` and `pop_p` as one more index operand, and they shift the line
 rotated. A sixth primitive, `rotate_p`, touches no storage: it rotates a value (a
 ring's whole line as read, or an update of a whole line), and its transpose is the
-rotation back.
+rotation back. A seventh, `after_p`, makes a token that waits for such a rotation
+read, for the next edit to wait for it too.
 
 **Which accesses are loops.** XLA updates a loop-carried buffer in place only when
 every other reader of the old buffer is ordered before the write *by data
@@ -134,6 +135,7 @@ with the code before twice: `slice_matmul_write` 1.26-1.30x -> 1.03-1.04x plain
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -157,6 +159,8 @@ from ._xla import (
     DEFERRABLE_DTYPES,
     deferred_loop_read,
     deferred_read,
+    deferred_rotation,
+    deferred_token,
     edits_of,
     explicit_sharding,
     fold_cotangent_sum,
@@ -179,6 +183,7 @@ from ._xla import (
     opaque_zero,
     pick_by_max,
     rolled_in_branch,
+    rotation_in_a_branch,
     run_time_indices,
     run_time_values,
     split_over_devices,
@@ -1869,10 +1874,13 @@ _WRITES = (accum_p, swap_p, insert_p, pop_p)
 # `concatenate([x, x])`, which transposes to a pad and an add, the forward pass
 # read the line three times (1.5x plain `lax`). `contents=True`: a rotation of a
 # ring's contents (`_ops._rotate`), the identity where the head is 0 (see below);
-# its JVP is the same rotation, its transpose a plain one.
+# its JVP is the same rotation, its transpose a plain one. `ordered=True`: a ring's
+# whole line as read, which the next edit waits for (`after_p`); lowered as a
+# deferred rotation, made a rotation in a conditional if an edit of the storage
+# follows it (`_xla.deferred_rotation`).
 
 
-def _rotate_impl(x, shift, *, axis, contents=False):
+def _rotate_impl(x, shift, *, axis, contents=False, ordered=False):
     n = x.shape[axis]
     nb = shift.ndim  # leading batch dimensions of `x`, one shift each
     pos = lax.broadcasted_iota(jnp.int32, shift.shape + (n,), nb)
@@ -1907,7 +1915,7 @@ def _rotate_impl(x, shift, *, axis, contents=False):
     return from_carrier(out, x.dtype)
 
 
-def _rotate_abstract(x, shift, *, axis, contents=False):
+def _rotate_abstract(x, shift, *, axis, contents=False, ordered=False):
     return x
 
 
@@ -1920,22 +1928,42 @@ rotate_p.def_impl(
 rotate_p.def_abstract_eval(_rotate_abstract)
 
 
-def _rotate_lowering(ctx, x, shift, *, axis, contents=False):
-    rotate = lambda x, shift: _rotate_impl(x, shift, axis=axis, contents=contents)
-    impl = rotate
+def _rotated_in_branch(x, shift, *, axis):
+    """A ring's contents, rotated in a conditional (`in_branch`; they are a new
+    array either way), which XLA writes out once instead of fusing it into its
+    readers. A head XLA finds constant (only window writes edit the ring) folds
+    the conditional away, and the rotation with it (`_rotate_impl`)."""
+    rotate = lambda x, shift: _rotate_impl(x, shift, axis=axis, contents=True)
+    return in_branch(rotate, shift, x, shift)
+
+
+def _rotate_lowering(ctx, x, shift, *, axis, contents=False, ordered=False):
     if contents and _edited_bits(ctx.avals_in[0], x):
-        # A ring's contents read whole right after an edit of it (a delay line's
-        # `insert(0, x)`, then `read()`), in a conditional (`_edited_bits`; the
-        # rotated contents are a new array either way). A head XLA finds constant
-        # (only window writes edit the ring) folds the conditional away, and the
-        # rotation with it (`_rotate_impl`).
-        impl = lambda x, shift: in_branch(rotate, shift, x, shift)
-    return mlir.lower_fun(impl, multiple_results=False)(ctx, x, shift)
+        # A ring's contents read whole right after an edit of it moved as bits (a
+        # bfloat16 delay line's `insert(0, x)`, then `read()`): see `_edited_bits`.
+        impl = functools.partial(_rotated_in_branch, axis=axis)
+        return mlir.lower_fun(impl, multiple_results=False)(ctx, x, shift)
+    impl = functools.partial(_rotate_impl, axis=axis, contents=contents)
+    x_aval, shift_aval = ctx.avals_in
+    batched = shift_aval.ndim > 0
+    if not ordered or (batched and on_several_devices(ctx)) or on_explicit_mesh(x_aval):
+        # (Not for a batch of rings, each with its own head, split over devices:
+        # the conditional's predicate would be made from one device's head; nor
+        # where the types carry shardings, which its branches would have to
+        # match.)
+        return mlir.lower_fun(impl, multiple_results=False)(ctx, x, shift)
+    # A read the next edit waits for (`after_p`): in a conditional if an edit
+    # follows it (`deferred_rotation`), lowered beside it.
+    both = lambda x, shift: [impl(x, shift), _rotated_in_branch(x, shift, axis=axis)]
+    rotated, in_a_branch = mlir.lower_fun(both, multiple_results=True)(ctx, x, shift)
+    lowered_once_per_call(ctx)
+    return [deferred_rotation(x, rotated, in_a_branch)]
 
 
 # Not cacheable: JAX would lower it in a function of its own, whose operand is an
 # argument there (`_edited_bits`).
 mlir.register_lowering(rotate_p, _rotate_lowering, cacheable=False)
+dispatch.prim_requires_devices_during_lowering.add(rotate_p)  # `on_several_devices`
 
 
 def _rotate_jvp(primals, tangents, **params):
@@ -1946,15 +1974,15 @@ def _rotate_jvp(primals, tangents, **params):
     return out, rotate_p.bind(tangents[0], shift, **params)
 
 
-def _rotate_transpose(ct, x, shift, *, axis, contents=False):
-    del contents
+def _rotate_transpose(ct, x, shift, *, axis, contents=False, ordered=False):
+    del contents, ordered
     if type(ct) is ad.Zero:
         return [ad.Zero(_aval(x)), None]
     n = _aval(x).shape[axis]
     return [rotate_p.bind(ct, n - shift, axis=axis), None]
 
 
-def _rotate_batch(args, dims, *, axis, contents=False):
+def _rotate_batch(args, dims, *, axis, **params):
     x, shift = args
     xd, sd = dims
     size = x.shape[xd] if xd is not None else shift.shape[sd]
@@ -1965,15 +1993,116 @@ def _rotate_batch(args, dims, *, axis, contents=False):
         # array, so that `contents`' select still applies. With the shift
         # broadcast, a batch of `kv_cache_attention` caches was gathered whole
         # every step (its forward under `vmap` 2.1x plain `lax`).
-        return rotate_p.bind(x, shift, axis=axis + 1, contents=contents), 0
+        return rotate_p.bind(x, shift, axis=axis + 1, **params), 0
     # The batch dimension leads both operands, one more of `_rotate_impl`'s `nb`.
     shift = _move_front(shift, sd, size)
-    return rotate_p.bind(x, shift, axis=axis + 1, contents=contents), 0
+    return rotate_p.bind(x, shift, axis=axis + 1, **params), 0
 
 
 ad.primitive_jvps[rotate_p] = _rotate_jvp
 ad.primitive_transposes[rotate_p] = _rotate_transpose
 batching.primitive_batchers[rotate_p] = _rotate_batch
+
+
+# ---------------------------------------------------------------------------
+# after_p: `tok`, as a token that also waits for the value `x`, a ring's whole
+# line as read (`rotate_p`'s `ordered`): the next edit runs after `x` is computed.
+# `key`: the ring's head; where XLA finds it 0, `x` is the storage itself and the
+# token does not wait for it.
+#
+# A ring's whole line read (`_ops._ring_read`) is `read_p`'s window, the storage
+# itself, then `rotate_p`: read_p's token orders the next edit after nothing that
+# reads the storage. An edit after it (a delay line's `read()` then `insert(0,
+# x)`) wrote in place while the rotation, fused into its readers, still read the
+# storage: XLA copied the buffer (2 a step forward, 2 under `grad` and 4 under
+# `jvp`, where plain `lax` copies 1, 2 and 1). The rotation is deferred
+# (`_xla.deferred_rotation`): an edit of the storage in the same function makes
+# it a rotation in a conditional and waits for it (`.array` too, whose buffer is
+# not carried on); this token is what an edit in a function called with the
+# buffer (a `jax.jit` inside the step) waits for. Lowered as `tok` itself until
+# such an edit follows (`_xla.deferred_token`): made from the plain rotation, it
+# was a second reader of it, and the gradient of a delay line's `insert(0, x)`
+# then `read()`, with no edit after the read, took 1.2x as long.
+#
+# Linear in `(tok, x)` with coefficient zero for `x`, as the accesses are in their
+# token: the tangent token waits for the tangent value, and the cotangent passes
+# to `tok` alone.
+
+
+def _after_impl(tok, x, key, *, nbatch=0):
+    # `nbatch` leading dimensions, shared by all three: one token per batch
+    # element, each made from an element of its own (`opaque_zero`'s `nlead`: a
+    # batch sharded over devices is not sliced across them).
+    lead = tuple(x.shape[:nbatch])
+    if x.size > 0:
+        first = x.reshape(lead + (-1,))[..., 0]
+    else:
+        first = jnp.zeros(lead, jnp.float32)
+    if jnp.issubdtype(first.dtype, jnp.complexfloating):
+        first = jnp.real(first)
+    first = first.astype(jnp.float32)
+    # Folded to 0 where XLA finds the head 0, as `rotate_p` folds to the storage:
+    # a token made from the storage's first element, right after a write of it (a
+    # cache's), would make XLA compute that element again from the storage before
+    # the write, unordered with respect to it.
+    first = jnp.where(key == 0, jnp.zeros_like(first), first)
+    return tok + opaque_zero(first, nbatch).astype(tok.dtype)
+
+
+def _after_abstract(tok, x, key, *, nbatch=0):
+    return tok
+
+
+after_p = Primitive("esb_after")
+after_p.def_impl(
+    lambda tok, x, key, **params: jax.jit(_after_impl, static_argnames="nbatch")(
+        tok, x, key, **params
+    )
+)
+after_p.def_abstract_eval(_after_abstract)
+
+
+def _after_lowering(ctx, tok, x, key, **params):
+    branched = rotation_in_a_branch(x)
+    if branched is None:
+        # Not a deferred rotation (one rotated in a conditional anyway, or of a
+        # batch of rings each with its own head): the token as it was.
+        return [tok]
+    # A deferred rotation (`deferred_rotation`): the token waits for it only once
+    # an edit follows it, and then for the rotation in a conditional.
+    plain = mlir.lower_fun(functools.partial(_after_impl, **params), False)
+    (waiting,) = plain(ctx, tok, branched, key)
+    return [deferred_token(x, tok, waiting)]
+
+
+# Not cacheable: JAX would lower it in a function of its own, whose operand is an
+# argument there, not the rotation's mark.
+mlir.register_lowering(after_p, _after_lowering, cacheable=False)
+
+
+def _after_jvp(primals, tangents, **params):
+    tok, x, key = primals
+    out = after_p.bind(tok, x, key, **params)
+    tt, tx = tangents[0], tangents[1]
+    if _all_zero(tt, tx):
+        return out, _zero_tangent(out)
+    return out, after_p.bind(_inst(tt, tok), _inst(tx, x), key, **params)
+
+
+def _after_transpose(ct, tok, x, key, **params):
+    ct_x = ad.Zero(_aval(x)) if ad.is_undefined_primal(x) else None
+    return [_tok_ct(tok, ct), ct_x, None]
+
+
+def _after_batch(args, dims, *, nbatch=0):
+    size = next(a.shape[d] for a, d in zip(args, dims) if d is not None)
+    tok, x, key = (_move_front(a, d, size) for a, d in zip(args, dims))
+    return after_p.bind(tok, x, key, nbatch=nbatch + 1), 0
+
+
+ad.primitive_jvps[after_p] = _after_jvp
+ad.primitive_transposes[after_p] = _after_transpose
+batching.primitive_batchers[after_p] = _after_batch
 
 
 # ---------------------------------------------------------------------------

@@ -781,11 +781,79 @@ def deferred_loop_read(
     return mark.result, hook.result
 
 
-def _loop_read_info(mark: ir.Operation) -> ir.Operation | None:
-    """The `_LOOP_READ` tuple of a deferred loop read's window mark, if it is one."""
+# A ring's whole line, read and rotated (`_primitives`' `rotate_p` with `ordered`):
+# a plain rotation, a gather that XLA fuses into each of its readers, where no edit
+# follows it. An edit of the storage that follows it makes it a rotation in a
+# conditional (`in_branch`), which XLA writes out once, before the edit
+# (`_materialise`): fused into several readers (the sum the user takes of it, and
+# under `jax.grad` the stacking of it as a residual), each read the storage
+# unordered with respect to the edit's write in place, and XLA copied the buffer
+# (a delay line's `read()` then `insert(0, x)`: 2 copies a step under `grad`, 2
+# under `jvp`). Always in a conditional, the gradient of a delay line's
+# `insert(0, x)` then `read()` took 1.1x as long (`benchmarks/patterns.py`'s
+# `delay_whole`, `p.g/f` 3.5-3.7 against 3.9-4.1; under `esb.scan` 3.0-3.2 against
+# 3.9). The unused tuple `_ROTATION` holds the window's mark and the rotation in a
+# conditional, lowered beside the plain one, unused until an edit follows (XLA
+# drops it otherwise).
+_ROTATION = "esb.deferred_rotation"
+
+
+def deferred_rotation(x: ir.Value, rotated: ir.Value, in_a_branch: ir.Value):
+    """`rotated`, a rotation of `x`, marked so that an edit of `x` that follows it
+    replaces it by `in_a_branch`, the same rotation in a conditional
+    (`_materialise`)."""
+    # Under `vmap`, `x` is each batch element's whole buffer, the storage with a
+    # unit dimension added, then dropped (`_primitives._each_element_whole`): the
+    # storage is what its edit is of.
+    while (op := _operation(x.owner)) is not None and (
+        op.name == "stablehlo.reshape" and _unit_dims_only(op.operands[0], x)
+    ):
+        x = op.operands[0]
+    mark = hlo.ReshapeOp(rotated.type, rotated)
+    mark.operation.attributes[_DEFERRED_READ] = ir.UnitAttr.get()
+    info = hlo.TupleOp([x, mark.result, in_a_branch])
+    info.operation.attributes[_ROTATION] = ir.UnitAttr.get()
+    return mark.result
+
+
+# The token made from a deferred rotation (`_primitives`' `after_p`): the token it
+# was given, through a marked no-op `reshape` (its hook), until an edit follows
+# the rotation; then the token made from the rotation in a conditional. Made from
+# the plain rotation, the token was a second reader of it, and XLA wrote the
+# rotation out before both where it had fused it into its one reader (under
+# `jax.grad`, the stacking of it as a residual): a delay line's `insert(0, x)`
+# then `read()`, whose gradient took 1.2x as long. The unused tuple
+# `_ROTATION_WAIT` holds the rotation's mark, the hook and the waiting token.
+_ROTATION_WAIT = "esb.deferred_rotation_wait"
+_ROTATION_TOKEN = "esb.deferred_rotation_token"
+
+
+def rotation_in_a_branch(x: ir.Value) -> ir.Value | None:
+    """The rotation in a conditional of the deferred rotation whose mark's value
+    is `x` (`deferred_rotation`), or None if `x` is not one."""
+    mark = _operation(x.owner)
+    if mark is None or _DEFERRED_READ not in mark.attributes:
+        return None
+    rotation = _info(mark, _ROTATION)
+    return None if rotation is None else rotation.operands[2]
+
+
+def deferred_token(x: ir.Value, tok: ir.Value, waiting: ir.Value) -> ir.Value:
+    """`tok`, for the deferred rotation whose mark's value is `x` to replace by
+    `waiting` if an edit follows it (`_materialise`)."""
+    hook = hlo.ReshapeOp(tok.type, tok)
+    hook.operation.attributes[_ROTATION_TOKEN] = ir.UnitAttr.get()
+    info = hlo.TupleOp([x, hook.result, waiting])
+    info.operation.attributes[_ROTATION_WAIT] = ir.UnitAttr.get()
+    return hook.result
+
+
+def _info(mark: ir.Operation, kind: str) -> ir.Operation | None:
+    """The unused tuple (`_LOOP_READ`, `_ROTATION`) of a deferred read's mark, if
+    it has one of `kind`."""
     for use in mark.result.uses:
         op = _operation(use.owner)
-        if op is not None and _LOOP_READ in op.attributes:
+        if op is not None and kind in op.attributes:
             return op
     return None
 
@@ -909,7 +977,17 @@ def after_marked_reads(storage: ir.Value, tok: ir.Value, module) -> ir.Value:
     return tok
 
 
-_MARKS = (_EDIT_OF, _EDIT_TOKEN, _DEFERRED_READ, _READ_TOKEN, _READ_WAIT, _LOOP_READ)
+_MARKS = (
+    _EDIT_OF,
+    _EDIT_TOKEN,
+    _DEFERRED_READ,
+    _READ_TOKEN,
+    _READ_WAIT,
+    _LOOP_READ,
+    _ROTATION,
+    _ROTATION_WAIT,
+    _ROTATION_TOKEN,
+)
 
 
 def _pure(op: ir.Operation, module) -> bool:
@@ -1067,7 +1145,7 @@ def _marks(values) -> list:
             sliced = _operation(use.owner)
             if (
                 sliced is not None
-                and _LOOP_READ in sliced.attributes
+                and (_LOOP_READ in sliced.attributes or _ROTATION in sliced.attributes)
                 and use.operand_number == 0
             ):
                 mark = _operation(sliced.operands[1].owner)
@@ -1259,8 +1337,25 @@ def _materialise(ctx, mark: ir.Operation, reduced: Callable, token_after: Callab
 
     A batch of windows read by a loop (`deferred_loop_read`) is made
     `reduced(..., nbatch=...)`, a gather behind a barrier, before its mark; the
-    loop is then unused, and XLA drops it."""
-    info = _loop_read_info(mark)
+    loop is then unused, and XLA drops it. A rotation (`deferred_rotation`) is
+    replaced by the one in a conditional, and the tokens made from it
+    (`deferred_token`) by those waiting for that; returns one of those tokens (or
+    the rotation, if none was made: the buffer `.array` read is not carried on),
+    which the edit waits for too."""
+    rotation = _info(mark, _ROTATION)
+    if rotation is not None:
+        rotated: ir.Value = rotation.operands[2]
+        mark.operands[0] = after = rotated
+        del mark.attributes[_DEFERRED_READ]
+        rotation.erase()
+        while (wait := _info(mark, _ROTATION_WAIT)) is not None:
+            hook = _operation(wait.operands[1].owner)
+            assert hook is not None and _ROTATION_TOKEN in hook.attributes
+            hook.operands[0] = after = wait.operands[2]
+            del hook.attributes[_ROTATION_TOKEN]
+            wait.erase()
+        return after, _aval_of(after)
+    info = _info(mark, _LOOP_READ)
     if info is not None:  # a loop over the batch
         storage, _, hook_value, tok, *starts = info.operands
         hook = _operation(hook_value.owner)

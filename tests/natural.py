@@ -111,6 +111,15 @@ def _delay_whole(ops, b, x, p):
     return b, (w * p["s"]).sum()
 
 
+def _delay_read_first(ops, b, x, p):
+    """`_delay_whole` in the other order: the whole window read, then the insert
+    that moves the ring's head (the rotated read must be written out before it)."""
+    k, d = ops.shape(b)
+    b, w = ops.read(b, (0, 0), (k, d))
+    b = ops.insert(b, 0, _frame(p, x, d))
+    return b, (w * p["s"]).sum()
+
+
 TAPS = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512)  # 11 dilated taps
 
 
@@ -356,6 +365,15 @@ ROWS = (
         "delay_whole",
         "delay line (1024, 32) axis=0, insert(0, x), read of the whole window",
         _delay_whole,
+        (1024, 32),
+        0,
+        1,
+        1024,
+    ),
+    Row(
+        "delay_read_first",
+        "delay line (1024, 32) axis=0, read of the whole window, then insert(0, x)",
+        _delay_read_first,
         (1024, 32),
         0,
         1,

@@ -4,6 +4,8 @@ one element. Its contents, reads, gradients and pytree behave as the logical arr
 
 from __future__ import annotations
 
+import functools
+
 import equinox as eqx
 import hypothesis.strategies as st
 import jax
@@ -776,3 +778,83 @@ def test_a_batch_of_delay_lines_read_whole_matches_plain_lax(mode):
     want = jax.jit(jax.vmap(plain, in_axes=(None, None, 0)))(*args)
     for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
         np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6)
+
+
+def _read_then_insert(s, init, xs, first=True, jit=False):
+    """A delay line's step, its whole window read and summed, then a frame pushed
+    at the front (`first`), or the other way round. `init`: a `ShiftBuffer`, or
+    an array for plain `lax`. `jit`: the push in a `jax.jit` of its own."""
+    k, d = init.shape
+    insert = lambda b, v: b.insert(0, v)
+    insert = jax.jit(insert) if jit else insert
+
+    def step(b, v):
+        frame = jnp.tanh(s * v + jnp.arange(d, dtype=jnp.float32))
+        w = jnp.cos(s * jnp.arange(k * d, dtype=jnp.float32)).reshape(k, d)
+        if isinstance(b, esb.ShiftBuffer):
+            b, whole = b.read() if first else insert(b, frame).read()
+            b = insert(b, frame) if first else b
+            return b, (whole * w).sum()
+        y = (b * w).sum()
+        b = jnp.concatenate([frame[None], b[:-1]])
+        return b, y if first else (b * w).sum()
+
+    _, ys = lax.scan(step, init, xs)
+    return ys.sum()
+
+
+def _delay_line_args(batch: bool):
+    """`(s, lines, xs)`: a (256, 64) float32 line, or a batch of two."""
+    rng = np.random.default_rng(2)
+    a = jnp.asarray(rng.normal(size=(256, 64)), jnp.float32)
+    xs = jnp.asarray(rng.normal(size=(9,)), jnp.float32)
+    if batch:
+        a, xs = jnp.stack([a, 2 * a]), jnp.stack([xs, xs + 1])
+    return jnp.float32(0.7), a, xs
+
+
+@pytest.mark.parametrize("mode", ["fwd", "grad", "jvp", "vmap", "vmap(grad)", "jit"])
+def test_a_ring_read_whole_then_edited_at_its_front_is_in_place(mode):
+    # A delay line's `read()` then `insert(0, x)`: the rotation that read is
+    # fused into its readers, each a read of the storage that the insert's write
+    # in place must follow. It is written out first, in a conditional, and the
+    # insert waits for it (`_primitives.after_p`, `_xla.deferred_rotation`). It
+    # copied the buffer (2 a step forward, 2 under `grad`, 4 under `jvp`, 2
+    # under the vmap modes; plain `lax` copies 1, 2, 1). `jit`: the insert in a
+    # `jax.jit` of its own, which waits for the read through the buffer's token.
+    batch = mode.startswith("vmap")
+    s, a, xs = _delay_line_args(batch)
+    ring = lambda a: esb.ShiftBuffer.from_array(a, axis=0)
+    # Under `vmap`, a batch of lines, each with its own head.
+    init = jax.vmap(ring)(a) if batch else ring(a)
+    fn = functools.partial(_read_then_insert, jit=mode == "jit")
+    if "grad" in mode:
+        fn = jax.grad(fn)
+    if mode == "jvp":
+        fn = lambda s, init, xs, f=fn: jax.jvp(
+            lambda s: f(s, init, xs), (s,), (jnp.float32(1),)
+        )
+    if batch:
+        fn = jax.vmap(fn, in_axes=(None, 0, 0))
+    assert esb.find_loop_copies(fn, s, init, xs, min_bytes=a.nbytes // 4) == []
+    got, want = jax.jit(fn)(s, init, xs), jax.jit(fn)(s, a, xs)
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        np.testing.assert_allclose(g, w, rtol=2e-5, atol=2e-5)
+
+
+def test_a_ring_read_whole_that_no_edit_follows_is_not_in_a_conditional():
+    # The other order (a delay line's `insert(0, x)` then `read()`): nothing
+    # follows the read in the step, and its rotation stays fused into its one
+    # reader (under `grad`, the stacking of it as a residual); in a conditional,
+    # the gradient took 1.1-1.2x as long. The first order is the control.
+    s, a, xs = _delay_line_args(batch=False)
+    init = esb.ShiftBuffer.from_array(a, axis=0)
+    conditionals = lambda fn: [
+        i
+        for i in loop_instructions(fn, s, init, xs)
+        if " conditional(" in i and "f32[256,64]" in i
+    ]
+    for first in (False, True):
+        loss = lambda s, init, xs, first=first: _read_then_insert(s, init, xs, first)
+        for fn in (loss, jax.grad(loss)):
+            assert (conditionals(fn) != []) == first
