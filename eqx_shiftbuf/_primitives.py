@@ -2032,21 +2032,12 @@ batching.primitive_batchers[rotate_p] = _rotate_batch
 def _after_impl(tok, x, key, *, nbatch=0):
     # `nbatch` leading dimensions, shared by all three: one token per batch
     # element, each made from an element of its own (`opaque_zero`'s `nlead`: a
-    # batch sharded over devices is not sliced across them).
-    lead = tuple(x.shape[:nbatch])
-    if x.size > 0:
-        first = x.reshape(lead + (-1,))[..., 0]
-    else:
-        first = jnp.zeros(lead, jnp.float32)
-    if jnp.issubdtype(first.dtype, jnp.complexfloating):
-        first = jnp.real(first)
-    first = first.astype(jnp.float32)
-    # Folded to 0 where XLA finds the head 0, as `rotate_p` folds to the storage:
-    # a token made from the storage's first element, right after a write of it (a
-    # cache's), would make XLA compute that element again from the storage before
-    # the write, unordered with respect to it.
-    first = jnp.where(key == 0, jnp.zeros_like(first), first)
-    return tok + opaque_zero(first, nbatch).astype(tok.dtype)
+    # batch sharded over devices is not sliced across them). Folded to 0 where
+    # XLA finds the head 0, as `rotate_p` folds to the storage: a token made from
+    # the storage's first element, right after a write of it (a cache's), would
+    # make XLA compute that element again from the storage before the write,
+    # unordered with respect to it.
+    return tok + opaque_zero(x, nbatch, folded_where=key == 0).astype(tok.dtype)
 
 
 def _after_abstract(tok, x, key, *, nbatch=0):

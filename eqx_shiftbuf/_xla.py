@@ -51,7 +51,7 @@ from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir, partial_eval as pe
 
 
-def opaque_zero(x: Any, nlead: int = 0) -> jax.Array:
+def opaque_zero(x: Any, nlead: int = 0, folded_where: Any = None) -> jax.Array:
     """An int32 zero computed from `x` that XLA cannot constant-fold; with `nlead`,
     one for each index of `x`'s first `nlead` dimensions (shape `x.shape[:nlead]`),
     each computed from an element of its own (so that a batch sharded over devices
@@ -74,6 +74,10 @@ def opaque_zero(x: Any, nlead: int = 0) -> jax.Array:
     if jnp.issubdtype(first.dtype, jnp.complexfloating):
         first = jnp.real(first)
     first = lax.convert_element_type(first, jnp.float32)
+    if folded_where is not None:
+        # A constant zero where XLA finds `folded_where` true (of shape
+        # `x.shape[:nlead]`): made from no element of `x` there.
+        first = jnp.where(folded_where, jnp.zeros_like(first), first)
     return (first > jnp.inf).astype(jnp.int32)
 
 
