@@ -2376,8 +2376,29 @@ def _edit_partial_eval_custom(saveable, unks_in, inst_in, eqn):
     return eqn, None, [False] * n, [False] * n, []
 
 
-for _p in (read_p, accum_p, swap_p, insert_p, pop_p):
+for _p in (read_p, accum_p, swap_p, insert_p, pop_p, after_p):
     pe.partial_eval_jaxpr_custom_rules[_p] = _edit_partial_eval_custom
+
+
+def _rotate_partial_eval_custom(saveable, unks_in, inst_in, eqn):
+    """A ring's whole line as read (`ordered`) runs in the forward pass only, as an
+    access does (`_edit_partial_eval_custom`), and its rotation is saved: saved as
+    read, the window is the storage itself, and JAX's stacking of it as a residual
+    read the storage unordered with respect to the step's edit after the read (2
+    copies a step under `grad` of `lax.scan(jax.checkpoint(step))` for a delay
+    line's `read()` then `insert(0, x)`). Any other rotation as JAX does it by
+    default: saved if `saveable` says so, else rerun from its operands."""
+    n = len(eqn.outvars)
+    if any(unks_in) or eqn.params.get("ordered"):
+        return _edit_partial_eval_custom(saveable, unks_in, inst_in, eqn)
+    policy = saveable(eqn.primitive, *[v.aval for v in eqn.invars], **eqn.params)
+    if isinstance(pe.ensure_enum(policy), pe.SaveableType):
+        return eqn, None, [False] * n, [False] * n, []
+    res = [v for v, i in zip(eqn.invars, inst_in, strict=True) if not i]
+    return eqn, eqn, [False] * n, [True] * n, res
+
+
+pe.partial_eval_jaxpr_custom_rules[rotate_p] = _rotate_partial_eval_custom
 
 
 # ---------------------------------------------------------------------------

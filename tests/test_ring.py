@@ -780,10 +780,11 @@ def test_a_batch_of_delay_lines_read_whole_matches_plain_lax(mode):
         np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6)
 
 
-def _read_then_insert(s, init, xs, first=True, jit=False):
+def _read_then_insert(s, init, xs, first=True, jit=False, remat=False):
     """A delay line's step, its whole window read and summed, then a frame pushed
     at the front (`first`), or the other way round. `init`: a `ShiftBuffer`, or
-    an array for plain `lax`. `jit`: the push in a `jax.jit` of its own."""
+    an array for plain `lax`. `jit`: the push in a `jax.jit` of its own. `remat`:
+    the step under `jax.checkpoint`."""
     k, d = init.shape
     insert = lambda b, v: b.insert(0, v)
     insert = jax.jit(insert) if jit else insert
@@ -799,7 +800,7 @@ def _read_then_insert(s, init, xs, first=True, jit=False):
         b = jnp.concatenate([frame[None], b[:-1]])
         return b, y if first else (b * w).sum()
 
-    _, ys = lax.scan(step, init, xs)
+    _, ys = lax.scan(jax.checkpoint(step) if remat else step, init, xs)
     return ys.sum()
 
 
@@ -813,7 +814,9 @@ def _delay_line_args(batch: bool):
     return jnp.float32(0.7), a, xs
 
 
-@pytest.mark.parametrize("mode", ["fwd", "grad", "jvp", "vmap", "vmap(grad)", "jit"])
+@pytest.mark.parametrize(
+    "mode", ["fwd", "grad", "jvp", "vmap", "vmap(grad)", "jit", "grad(checkpoint)"]
+)
 def test_a_ring_read_whole_then_edited_at_its_front_is_in_place(mode):
     # A delay line's `read()` then `insert(0, x)`: the rotation that read is
     # fused into its readers, each a read of the storage that the insert's write
@@ -822,12 +825,16 @@ def test_a_ring_read_whole_then_edited_at_its_front_is_in_place(mode):
     # copied the buffer (2 a step forward, 2 under `grad`, 4 under `jvp`, 2
     # under the vmap modes; plain `lax` copies 1, 2, 1). `jit`: the insert in a
     # `jax.jit` of its own, which waits for the read through the buffer's token.
+    # `grad(checkpoint)`: the step under `jax.checkpoint`, whose rotation is saved,
+    # not the window as read, the storage itself (`_rotate_partial_eval_custom`).
     batch = mode.startswith("vmap")
     s, a, xs = _delay_line_args(batch)
     ring = lambda a: esb.ShiftBuffer.from_array(a, axis=0)
     # Under `vmap`, a batch of lines, each with its own head.
     init = jax.vmap(ring)(a) if batch else ring(a)
-    fn = functools.partial(_read_then_insert, jit=mode == "jit")
+    fn = functools.partial(
+        _read_then_insert, jit=mode == "jit", remat=mode == "grad(checkpoint)"
+    )
     if "grad" in mode:
         fn = jax.grad(fn)
     if mode == "jvp":
