@@ -1467,19 +1467,24 @@ _THROUGH = _ELEMENTWISE | frozenset(
 
 def user_reads_before(storage: ir.Value, module) -> list:
     """`(value, aval)` of the results of the plain reads of `storage` (a static
-    `slice` or a `reduce` of it or of a reshape of it, and what follows them
-    elementwise, up to a reduction), in the block being lowered, that an edit of
-    `storage` must wait for.
+    `slice` or a `reduce` of it or of a reshape of it, and what follows a slice
+    elementwise, up to the next operation; elementwise operations of it, up to a
+    reduction), in the block being lowered, that an edit of `storage` must wait
+    for.
 
     `buf.array` is the storage itself: a slice of it then a sum, then an insert
     (`y = buf.array[:2].sum(); buf = buf.insert(...)`) left XLA free to run the
     sum after the insert, so it copied the buffer for it (2 copies per step
-    forward). The library's own accesses read through dynamic slices and marks,
-    and are waited for through their tokens."""
+    forward). So did the whole buffer's weighted sum (`b, w = buf.read(); y =
+    (w * s).sum()`, then an insert: 2 copies forward, 4 under `jvp`; the natural
+    pattern `whole_read_first`). The library's own accesses read through dynamic
+    slices and marks, and are waited for through their tokens. Only what the
+    edit's lowering finds is waited for: a sum written after the edit in the
+    program is not lowered yet, and XLA still copies the buffer for it."""
     block = ir.InsertionPoint.current.block  # pyright: ignore[reportAttributeAccessIssue]
     found: list = []
 
-    def frontier(v: ir.Value, depth: int) -> None:
+    def frontier(v: ir.Value, depth: int, reductions: bool = False) -> None:
         for use in list(v.uses):
             op = _operation(use.owner)
             if (
@@ -1489,7 +1494,9 @@ def user_reads_before(storage: ir.Value, module) -> list:
             ):
                 continue
             if op.name in _THROUGH and depth > 0 and len(op.results) == 1:
-                frontier(op.results[0], depth - 1)
+                frontier(op.results[0], depth - 1, reductions)
+            elif reductions and op.name != "stablehlo.reduce":
+                continue
             elif op.name.startswith("stablehlo.") and op.name not in _UNMOVABLE:
                 found.extend(r for r in op.results if _known_dtype(r))
 
@@ -1514,6 +1521,13 @@ def user_reads_before(storage: ir.Value, module) -> list:
                 todo.append(op.result)
             elif op.name == "stablehlo.slice":
                 frontier(op.result, 8)
+            elif op.name in _ELEMENTWISE and len(op.results) == 1:
+                # The whole buffer computed with elementwise, up to a
+                # reduction (`(w * s).sum()` of `w = buf.read()` or `.array`).
+                # Not up to any other operation: the library's own elementwise
+                # uses of a storage (a cotangent's, under `vmap(grad)`) end in
+                # its writes, which an edit waiting for would copy the buffer.
+                frontier(op.result, 8, reductions=True)
             elif op.name == "stablehlo.reduce":
                 found.extend(r for r in op.results if _known_dtype(r))
     return [(v, _aval_of(v)) for v in found]

@@ -146,17 +146,25 @@ def _ring_taps(ops, b, x, p):
     return b, y
 
 
-def _whole_ds(how):
+def _whole_ds(how, first=False):
+    """A traced insert, then a read of the whole buffer and its sum (`first`: the
+    read and its sum, then the insert)."""
+
     def step(ops, b, x, p):
         n, m = ops.shape(b)
-        b = ops.insert(b, (x["r"][0], x["c"][0]), jnp.sin(p["s"] * x["v"]))
+        insert = lambda b: ops.insert(
+            b, (x["r"][0], x["c"][0]), jnp.sin(p["s"] * x["v"])
+        )
+        b = b if first else insert(b)
         if how == "dynamic_slice":
             w = _dynamic_slice(ops, b, (0, 0), (n, m))
         elif how == "read":
             b, w = ops.read(b, (0, 0), (n, m))
         else:  # ".array"
             b, w = ops.read(b)
-        return b, (w * p["s"]).sum()
+        y = (w * p["s"]).sum()
+        b = insert(b) if first else b
+        return b, y
 
     return step
 
@@ -456,6 +464,15 @@ ROWS = (
         "whole_read",
         "insert, then read((0, 0), (512, 64)) (buffer returned)",
         _whole_ds("read"),
+        (512, 64),
+        1,
+        512,
+        64,
+    ),
+    Row(
+        "whole_read_first",
+        "read((0, 0), (512, 64)) and its sum, then insert",
+        _whole_ds("read", first=True),
         (512, 64),
         1,
         512,

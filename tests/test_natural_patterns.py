@@ -71,6 +71,12 @@ IN_PLACE = [
     ("whole_ds", "grad"),
     ("whole_ds", "vmap(grad)"),
     ("whole_read", "grad"),
+    # The whole buffer's weighted sum, then an insert: the insert waits for the
+    # sum (`_xla.user_reads_before`); plain `lax` copies 2 and 4. (Under `grad`
+    # JAX's stacking of the window, the buffer itself, as a residual still
+    # copies it, 2 against plain `lax`'s 4.)
+    ("whole_read_first", "fwd"),
+    ("whole_read_first", "jvp"),
     ("whole_array", "grad"),
     ("whole_array", "vmap(grad)"),
     # `.array` after the step's edits: read through `read_p`, its cotangent
