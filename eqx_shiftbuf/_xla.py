@@ -1098,7 +1098,7 @@ def _callee(call: ir.Operation, module) -> ir.Operation:
     return ir.SymbolTable(module.operation)[name].operation
 
 
-def _aliases(storage: ir.Value, module) -> list:
+def _aliases(storage: ir.Value, module, through_loops: bool = True) -> list:
     """`storage` and the values it was passed on from, through the operations
     that hand an operand on as a result: a loop, a barrier, a call of a function
     (a `jax.jit` inside the program, a step of a `lax.scan(..., unroll=k)`), whose
@@ -1119,7 +1119,9 @@ def _aliases(storage: ir.Value, module) -> list:
         if owner is None:
             continue
         k = next(i for i, r in enumerate(owner.results) if r == v)
-        if owner.name in ("stablehlo.while", "stablehlo.optimization_barrier"):
+        if owner.name == "stablehlo.optimization_barrier" or (
+            through_loops and owner.name == "stablehlo.while"
+        ):
             todo.append(owner.operands[k])
         elif owner.name == "func.call":
             body = _callee(owner, module).regions[0].blocks[0]
@@ -1500,7 +1502,12 @@ def user_reads_before(storage: ir.Value, module) -> list:
             elif op.name.startswith("stablehlo.") and op.name not in _UNMOVABLE:
                 found.extend(r for r in op.results if _known_dtype(r))
 
-    todo = _aliases(storage, module)
+    # (Not the operand of a loop that wrote `storage`, a library access: the
+    # access waited for the reads of it before it, and its own trip count is
+    # one, which an edit waiting for made XLA read that operand again after the
+    # loop wrote it in place: a copy per step in the gradient of two whole
+    # reads of a complex ring then a traced insert.)
+    todo = _aliases(storage, module, through_loops=False)
     while todo:
         v = todo.pop()
         for use in list(v.uses):

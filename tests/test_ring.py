@@ -865,3 +865,44 @@ def test_a_ring_read_whole_that_no_edit_follows_is_not_in_a_conditional():
         loss = lambda s, init, xs, first=first: _read_then_insert(s, init, xs, first)
         for fn in (loss, jax.grad(loss)):
             assert (conditionals(fn) != []) == first
+
+
+def test_two_whole_reads_of_a_complex_ring_then_a_traced_insert_are_in_place():
+    # Found by fuzzing: under `grad`, the two reads' cotangents are accumulated
+    # into the buffer's in two single-trip loops (complex), and the second
+    # waited for the first loop's own trip count, a read of the storage from
+    # before that loop wrote it in place: 1 copy a step (`_xla.user_reads_before`
+    # no longer looks through loops). Plain `lax` copies nothing there.
+    n = 256
+    w = jnp.cos(jnp.arange(n) * 0.37).astype(jnp.float32)
+
+    def loss(s, a, xs):
+        def step(b, x):
+            i, v = x
+            value = (s * v + 1j * v).astype(jnp.complex64)
+            if isinstance(b, esb.ShiftBuffer):
+                b, w1 = b.read()
+                b, w2 = b.read()
+                b = b.insert(i, value)
+            else:
+                w1 = w2 = b
+                pos = jnp.arange(n)
+                rolled = jnp.roll(b, 1)
+                b = jnp.where(pos < i, b, jnp.where(pos == i, value, rolled))
+            y = (jnp.real(w1) * w).sum() + 2 * (jnp.imag(w2) * w).sum()
+            return b, y
+
+        _, ys = lax.scan(step, a, xs)
+        return ys.sum()
+
+    rng = np.random.default_rng(3)
+    a = jnp.asarray(rng.normal(size=n) + 1j * rng.normal(size=n), jnp.complex64)
+    xs = (jnp.asarray(rng.integers(0, n, 6), jnp.int32), jnp.linspace(-1, 1, 6))
+    s = jnp.float32(0.7)
+    buf = esb.ShiftBuffer.from_array(a, axis=0).insert(0, a[5])
+    moved = jnp.concatenate([a[5:6], a[:-1]])
+    grad = jax.grad(loss)
+    assert esb.find_loop_copies(grad, s, buf, xs, min_bytes=a.nbytes // 2) == []
+    np.testing.assert_allclose(
+        jax.jit(grad)(s, buf, xs), jax.jit(grad)(s, moved, xs), rtol=2e-5
+    )
