@@ -2015,7 +2015,8 @@ batching.primitive_batchers[rotate_p] = _rotate_batch
 # reads the storage. An edit after it (a delay line's `read()` then `insert(0,
 # x)`) wrote in place while the rotation, fused into its readers, still read the
 # storage: XLA copied the buffer (2 a step forward, 2 under `grad` and 4 under
-# `jvp`, where plain `lax` copies 1, 2 and 1). The rotation is deferred
+# `jvp`, where plain `lax` copies 1, 2 and 2: the natural pattern
+# `delay_read_first`). The rotation is deferred
 # (`_xla.deferred_rotation`): an edit of the storage in the same function makes
 # it a rotation in a conditional and waits for it (`.array` too, whose buffer is
 # not carried on); this token is what an edit in a function called with the
@@ -2056,8 +2057,9 @@ after_p.def_abstract_eval(_after_abstract)
 def _after_lowering(ctx, tok, x, key, **params):
     branched = rotation_in_a_branch(x)
     if branched is None:
-        # Not a deferred rotation (one rotated in a conditional anyway, or of a
-        # batch of rings each with its own head): the token as it was.
+        # Not a deferred rotation (one rotated in a conditional anyway, or one
+        # `_rotate_lowering` does not defer: a batch of rings split over devices,
+        # types with shardings): the token as it was.
         return [tok]
     # A deferred rotation (`deferred_rotation`): the token waits for it only once
     # an edit follows it, and then for the rotation in a conditional.
@@ -2387,7 +2389,8 @@ def _rotate_partial_eval_custom(saveable, unks_in, inst_in, eqn):
     read the storage unordered with respect to the step's edit after the read (2
     copies a step under `grad` of `lax.scan(jax.checkpoint(step))` for a delay
     line's `read()` then `insert(0, x)`). Any other rotation as JAX does it by
-    default: saved if `saveable` says so, else rerun from its operands."""
+    default: saved if `saveable` says so, else rerun from its operands (also
+    where the policy would offload it, which this rule does not do)."""
     n = len(eqn.outvars)
     if any(unks_in) or eqn.params.get("ordered"):
         return _edit_partial_eval_custom(saveable, unks_in, inst_in, eqn)

@@ -792,8 +792,8 @@ def deferred_loop_read(
 # (`_materialise`): fused into several readers (the sum the user takes of it, and
 # under `jax.grad` the stacking of it as a residual), each read the storage
 # unordered with respect to the edit's write in place, and XLA copied the buffer
-# (a delay line's `read()` then `insert(0, x)`: 2 copies a step under `grad`, 2
-# under `jvp`). Always in a conditional, the gradient of a delay line's
+# (a delay line's `read()` then `insert(0, x)`: 2 copies a step forward, 2 under
+# `grad`, 4 under `jvp`). Always in a conditional, the gradient of a delay line's
 # `insert(0, x)` then `read()` took 1.1x as long (`benchmarks/patterns.py`'s
 # `delay_whole`, `p.g/f` 3.5-3.7 against 3.9-4.1; under `esb.scan` 3.0-3.2 against
 # 3.9). The unused tuple `_ROTATION` holds the window's mark and the rotation in a

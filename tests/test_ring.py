@@ -822,8 +822,9 @@ def test_a_ring_read_whole_then_edited_at_its_front_is_in_place(mode):
     # fused into its readers, each a read of the storage that the insert's write
     # in place must follow. It is written out first, in a conditional, and the
     # insert waits for it (`_primitives.after_p`, `_xla.deferred_rotation`). It
-    # copied the buffer (2 a step forward, 2 under `grad`, 4 under `jvp`, 2
-    # under the vmap modes; plain `lax` copies 1, 2, 1). `jit`: the insert in a
+    # copied the buffer every step (a (1024, 32) delay line: 2 forward, under
+    # `grad` and under `jvp`, against plain `lax`'s 1, 2, 1; 2 under the vmap
+    # modes). `jit`: the insert in a
     # `jax.jit` of its own, which waits for the read through the buffer's token.
     # `grad(checkpoint)`: the step under `jax.checkpoint`, whose rotation is saved,
     # not the window as read, the storage itself (`_rotate_partial_eval_custom`).
