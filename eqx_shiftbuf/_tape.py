@@ -35,20 +35,43 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 from jax._src import api_util, core as jcore, linear_util as lu, source_info_util
 from jax._src.interpreters import partial_eval as pe
 from jax._src.pjit import jit_p
 from jax.custom_derivatives import SymbolicZero
 from jax.extend.core import ClosedJaxpr, Literal
 
-from ._primitives import accum_p, insert_p, pop_p, read_p, rotate_p, swap_p
+from ._primitives import (
+    accum_p,
+    after_p,
+    insert_p,
+    pop_p,
+    read_p,
+    rotate_p,
+    swap_p,
+)
 from ._writeonce import NORMAL, TAPED
+from ._xla import materialised, opaque_zero
 
 
 # Primitives whose operand 0 is a buffer's storage and output 0 its new value.
 _EDITS = (read_p, accum_p, swap_p, insert_p, pop_p)
-# Whose operand 0 may be the storage and whose output is a read of it.
-_READS = (rotate_p,)
+# Primitives whose output is a part or a rearrangement of one operand (the one at
+# the index given), linear in it, their other operands indices: a value read from
+# the storage through them is taped only where something else uses it. `after_p`
+# returns its token (operand 0); its operand 1 only orders an edit after a read.
+_PARTS = {
+    lax.slice_p: 0,
+    lax.dynamic_slice_p: 0,
+    lax.gather_p: 0,
+    lax.squeeze_p: 0,
+    lax.reshape_p: 0,
+    lax.transpose_p: 0,
+    rotate_p: 0,
+    after_p: 0,
+}
+_ORDER_ONLY = {after_p: (1,)}
 
 
 @jax.custom_jvp
@@ -83,11 +106,14 @@ def _replay(value, recorded):
 class Plan:
     """Which carry leaves are taped (`roles`, with `TAPED`), the body (its
     `jax.jit` calls put in line where one held a buffer access), and its
-    variables whose values the tape holds, in the body's order."""
+    variables whose values the tape holds, in the body's order; `waits`: the
+    taped parts of the storage read by the user's own operations (`_PARTS`), each
+    with the index of the equation of the next edit of that storage, if any."""
 
     roles: tuple[int, ...]
     jaxpr: ClosedJaxpr
     taped: tuple[Any, ...]
+    waits: tuple[tuple[Any, int | None], ...] = ()
 
     def recording(self) -> tuple[ClosedJaxpr, list]:
         """`(*consts, *carry, *x) -> (*carry, *y, *tape)`, with its new leading
@@ -97,7 +123,7 @@ class Plan:
         jaxpr = self.jaxpr
 
         def fn(*args):
-            env = _eval(jaxpr, args, {})
+            env = _eval(jaxpr, args, {}, waits=self.waits)
             return _outs(jaxpr, env) + [env[v] for v in self.taped]
 
         return _trace(fn, list(jaxpr.in_avals), "esb.scan (recording)")
@@ -117,6 +143,40 @@ class Plan:
         return _trace(fn, avals, "esb.scan (replaying)")
 
 
+def _keepable(aval) -> bool:
+    """Whether `_kept` takes a value of type `aval`: a real or bool array that is
+    not empty (`materialised` reads bit patterns, which a complex dtype has no
+    unsigned type as wide for), and whose type carries no sharding (on a mesh with
+    explicit axes, `opaque_zero`'s slice of one element of a sharded dimension
+    fails to trace)."""
+    spec = getattr(getattr(aval, "sharding", None), "spec", ())
+    return (
+        aval.size > 0
+        and not jnp.issubdtype(aval.dtype, jnp.complexfloating)
+        and all(p is None for p in spec)
+    )
+
+
+@jax.custom_jvp
+def _kept(x):
+    """`x`, computed once, in a kernel of its own (`materialised`).
+
+    The recording body outputs what the user's own operations read of the storage
+    (`buf.array[:2, :8]`) as the tape, which `lax.scan` stacks after the step. A
+    slice is cheap, so XLA fused it into that stacking, which then read the storage
+    after the step's insert had written it in place: 2 copies of the buffer a step
+    (`array_then_insert` in `tests/natural.py`, under `jax.grad` of `esb.scan`).
+    Computed once, and waited for by the next edit (`_eval`), it is read before.
+    """
+    return materialised(x, opaque_zero(x))
+
+
+@_kept.defjvp
+def _kept_jvp(primals, tangents):
+    # (`materialised` reads bits, which carry no tangent.)
+    return _kept(*primals), tangents[0]
+
+
 def _inlined(jaxpr: ClosedJaxpr) -> ClosedJaxpr:
     """`jaxpr` with the bodies of its `jax.jit` calls in line (same inputs and
     outputs): a method of a `ShiftBuffer` called inside a jitted function (an
@@ -131,19 +191,36 @@ def _inlined(jaxpr: ClosedJaxpr) -> ClosedJaxpr:
     return ClosedJaxpr(new, consts)
 
 
-def _eval(jaxpr: ClosedJaxpr, args: Sequence, tape: dict, inline=False) -> dict:
+def _eval(
+    jaxpr: ClosedJaxpr, args: Sequence, tape: dict, inline=False, waits=()
+) -> dict:
     """`jax.core.eval_jaxpr`, with the variables in `tape` replaced by its values;
-    with `inline`, the bodies of `jax.jit` calls evaluated in line."""
+    with `inline`, the bodies of `jax.jit` calls evaluated in line; with `waits`
+    (`Plan.waits`), those variables computed once (`_kept`), and the edits given
+    waiting for them through their tokens (operand 1)."""
     env: dict = dict(zip(jaxpr.jaxpr.constvars, jaxpr.consts))
     env.update(zip(jaxpr.jaxpr.invars, args))
     read = lambda v: v.val if isinstance(v, Literal) else env[v]
-    for eqn in jaxpr.jaxpr.eqns:
+    # (Where no edit follows, the stacking reads the storage before the next
+    # step's edits: computed apart, `delay_array`'s slice of its rotated ring took
+    # the gradient from 1.0 to 1.5 ms.)
+    kept = {v for v, i in waits if i is not None and _keepable(v.aval)}
+    waited: dict = {}
+    for v, i in waits:
+        if v in kept:
+            waited.setdefault(i, []).append(v)
+    for i, eqn in enumerate(jaxpr.jaxpr.eqns):
         if inline and eqn.primitive is jit_p:
             callee = eqn.params["jaxpr"]
             inner = _eval(callee, list(map(read, eqn.invars)), {}, inline=True)
             env.update(zip(eqn.outvars, _outs(callee, inner)))
             continue
         params = eqn.primitive.get_bind_params(eqn.params)
+        operands = list(map(read, eqn.invars))
+        for v in waited.get(i, ()):
+            # (As a read's token: the edit adds it to an index, so runs after.)
+            tok = operands[1]
+            operands[1] = tok + opaque_zero(env[v]).astype(tok.dtype)
         name_stack = source_info_util.current_name_stack() + eqn.source_info.name_stack
         with (
             source_info_util.user_context(
@@ -151,12 +228,12 @@ def _eval(jaxpr: ClosedJaxpr, args: Sequence, tape: dict, inline=False) -> dict:
             ),
             eqn.ctx.manager,
         ):
-            ans = eqn.primitive.bind(*map(read, eqn.invars), **params)
+            ans = eqn.primitive.bind(*operands, **params)
         ans = ans if eqn.primitive.multiple_results else [ans]
         for v, a in zip(eqn.outvars, ans):
             if isinstance(v, jcore.DropVar):
                 continue
-            env[v] = _replay(a, tape[v]) if v in tape else a
+            env[v] = _replay(a, tape[v]) if v in tape else _kept(a) if v in kept else a
     return env
 
 
@@ -168,30 +245,60 @@ _CALL = "call"
 
 
 def _chain(jaxpr, k: int, num_consts: int, used: set):
-    """The variables `_replaying` must tape for carry leaf `k`; None if the leaf
-    has a use other than as the storage of a chain of buffer primitives that ends
-    in its new value; `_CALL` if it is an operand of a `jax.jit` call (whose body
-    `_inlined` puts in line)."""
+    """`(taped, waits)`: the variables `_replaying` must tape for carry leaf `k`,
+    and `Plan.waits` for them; None if the leaf has a use other than as the
+    storage of a chain of buffer primitives that ends in its new value, or read by
+    `_PARTS`; `_CALL` if it is an operand of a `jax.jit` call (whose body
+    `_inlined` puts in line).
+
+    What the accesses return (windows, popped values, tokens) and what the storage
+    itself is read as (`.array`, a rotation of a ring), are taped where something
+    uses them, except where that use takes a part of them (`_PARTS`): then the
+    part is taped, by the same rule. So a step that slices `buf.array[:8, :16]`
+    tapes 128 values a step, not the buffer (which, larger than its copies at
+    the checkpoints, would not be taped, and the buffer would be stored)."""
     inner = jaxpr.jaxpr
     storage = {inner.invars[num_consts + k]}
-    taped = []
-    for eqn in inner.eqns:
-        touched = [isinstance(v, jcore.Var) and v in storage for v in eqn.invars]
-        if not any(touched):
+    read: set = set()  # values read from the storage, taped only if used whole
+    taped: list = []
+    edits: list[int] = []  # the equations that edit the storage, in order
+    parts: dict = {}  # values the user's own operations read: their equations
+
+    def tape(v):
+        if v in used and v not in taped:
+            taped.append(v)
+
+    for i, eqn in enumerate(inner.eqns):
+        ins = [v if isinstance(v, jcore.Var) else None for v in eqn.invars]
+        touched = [v is not None and v in storage for v in ins]
+        from_read = [v is not None and v in read for v in ins]
+        if not any(touched) and not any(from_read):
             continue
         if eqn.primitive is jit_p:
             return _CALL
-        if any(touched[1:]) or not touched[0]:
+        if any(touched) and (any(touched[1:]) or not touched[0]):
             return None
-        if eqn.primitive in _EDITS:
-            new, others = eqn.outvars[0], eqn.outvars[1:]
+        part = _PARTS.get(eqn.primitive)
+        skip = _ORDER_ONLY.get(eqn.primitive, ())
+        if touched[0] and eqn.primitive in _EDITS:
+            new = eqn.outvars[0]
             if not isinstance(new, jcore.DropVar):
                 storage.add(new)
-        elif eqn.primitive in _READS:
-            others = eqn.outvars
+            edits.append(i)
+            read.update(v for v in eqn.outvars[1:] if not isinstance(v, jcore.DropVar))
+            part = None
+        elif touched[0] or (part is not None and from_read[part]):
+            if part != 0 and touched[0]:
+                return None
+            got = [v for v in eqn.outvars if not isinstance(v, jcore.DropVar)]
+            read.update(got)
+            if eqn.primitive is not after_p:  # (a token, not a part)
+                parts.update((v, i) for v in got)
         else:
-            return None
-        taped += [v for v in others if not isinstance(v, jcore.DropVar) and v in used]
+            part = None
+        for j, (v, r) in enumerate(zip(ins, from_read)):
+            if r and j != part and j not in skip:
+                tape(v)
     outs = inner.outvars
     if not (isinstance(outs[k], jcore.Var) and outs[k] in storage):
         return None
@@ -199,7 +306,13 @@ def _chain(jaxpr, k: int, num_consts: int, used: set):
         isinstance(v, jcore.Var) and v in storage for j, v in enumerate(outs) if j != k
     ):
         return None
-    return taped
+    for v in outs:
+        if isinstance(v, jcore.Var) and v in read:
+            tape(v)
+    waits = [
+        (v, next((e for e in edits if e > parts[v]), None)) for v in taped if v in parts
+    ]
+    return taped, waits
 
 
 def _bytes(avals) -> int:
@@ -228,20 +341,21 @@ def plan(
         jaxpr = _inlined(jaxpr)
         chains = _chains(jaxpr, num_consts, roles)
     inner = jaxpr.jaxpr
-    new_roles, taped = list(roles), []
+    new_roles, taped, waits = list(roles), [], []
     for k, chain in enumerate(chains):
         if chain is None or chain is _CALL:
             continue
         stored = checkpoints * _bytes([inner.invars[num_consts + k].aval])
-        if length * _bytes(v.aval for v in chain) <= stored:
+        if length * _bytes(v.aval for v in chain[0]) <= stored:
             new_roles[k] = TAPED
-            taped += chain
+            taped += chain[0]
+            waits += chain[1]
     if not any(r == TAPED for r in new_roles):
         return None
     # In the body's order, once each (two leaves' chains cannot share a variable).
     order = {v: i for i, v in enumerate(v for e in inner.eqns for v in e.outvars)}
     taped = tuple(sorted(set(taped), key=order.__getitem__))
-    return Plan(tuple(new_roles), jaxpr, taped)
+    return Plan(tuple(new_roles), jaxpr, taped, tuple(waits))
 
 
 def _chains(jaxpr: ClosedJaxpr, num_consts: int, roles) -> list:

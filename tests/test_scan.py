@@ -501,12 +501,26 @@ def _edits(p, buf, x, r, c):
     return buf.pop((r, (c + 3) % buf.capacity))
 
 
-# The step's edits as written, inside `jax.jit`, inside `eqx.filter_jit`; and, the
+def _sliced_then_edits(p, buf, x, r, c):
+    y = jnp.sin(buf.array[:2, :3]).sum()  # read before the edits, used nonlinearly
+    buf, out = _edits(p, buf, x, r, c)
+    return buf, out + y
+
+
+def _edits_then_sliced(p, buf, x, r, c):
+    buf, out = _edits(p, buf, x, r, c)
+    return buf, out * buf.array[r, :4].sum()  # a dynamic slice after them
+
+
+# The step's edits as written, inside `jax.jit`, inside `eqx.filter_jit`, beside
+# parts of `buf.array` (the tape holds the parts, not the buffer); and, the
 # control, with a use of the whole buffer besides (it is then stored).
 STEP_EDITS = {
     "edits": _edits,
     "jit": jax.jit(_edits),
     "filter_jit": eqx.filter_jit(_edits),
+    "array sliced first": _sliced_then_edits,
+    "array sliced after": _edits_then_sliced,
     "also summed whole": lambda *a: (lambda b, o: (b, o + b.array.sum()))(*_edits(*a)),
 }
 
@@ -528,6 +542,35 @@ def test_edits_however_called_have_lax_scan_gradients(edits):
     args = _buffer_args(length=19, shape=(4, 6))
     grad = lambda scan: jax.jit(
         jax.value_and_grad(_edit_loss(scan, edits), argnums=(0, 1, 2))
+    )(*args)
+    _close(grad(SCANS["ckpt-3"]), grad(lax.scan))
+
+
+def _delay_line_loss(scan):
+    """A delay line (a ring) pushed at its front, its newest rows read as
+    `buf.array[:4]` (the storage rotated by the head, then sliced) and used
+    nonlinearly."""
+
+    def loss(p, init, xs):
+        def body(buf, x):
+            buf = buf.insert(0, jnp.sin(p * x + jnp.arange(init.shape[1])))
+            return buf, jnp.cos(buf.array[:4]).sum()
+
+        buf, ys = scan(body, esb.ShiftBuffer.from_array(init, axis=0), xs)
+        return ys.sum() + (buf.array**2).sum()
+
+    return loss
+
+
+def test_a_ring_whose_array_is_sliced_is_replayed_not_stored():
+    # The tape holds the 4 rows read, not the rotated buffer (which, 23 steps of
+    # it larger than 3 stored copies, would not be taped: the ring stored).
+    rng = np.random.default_rng(5)
+    args = (0.7, jnp.asarray(rng.normal(size=(64, 8))), jnp.asarray(rng.normal(size=23)))
+    loss = _delay_line_loss(SCANS["ckpt-3"])
+    assert 0 in taped_leaves(jax.grad(loss, argnums=(0, 1)), *args)
+    grad = lambda scan: jax.jit(
+        jax.value_and_grad(_delay_line_loss(scan), argnums=(0, 1, 2))
     )(*args)
     _close(grad(SCANS["ckpt-3"]), grad(lax.scan))
 
