@@ -290,6 +290,8 @@ def unpadded_window(ctx, args: tuple, nbatch: int) -> tuple:
     the same sum (but that a -0.0 stays -0.0 where the padding left it +0.0)."""
     storage, tok, window, *starts = args
     pad = _operation(window.owner)
+    if pad is not None and pad.name == "stablehlo.dynamic_update_slice" and starts:
+        return _window_of_update(ctx, args, pad, nbatch)
     if pad is None or pad.name != "stablehlo.pad" or not starts:
         return ctx, args
     low, high, interior = (
@@ -311,6 +313,34 @@ def unpadded_window(ctx, args: tuple, nbatch: int) -> tuple:
     inner = pad.operands[0]
     ctx = ctx.replace(avals_in=[*ctx.avals_in[:2], _aval_of(inner), *ctx.avals_in[3:]])
     return ctx, (storage, tok, inner, *moved)
+
+
+def _window_of_update(ctx, args: tuple, dus, nbatch: int) -> tuple:
+    """`unpadded_window` of a window that is zeros with one update written into
+    them (JAX's transpose of a `dynamic_slice`): the update itself, at the starts
+    moved by its start, clamped as `dynamic_update_slice` clamps it.
+
+    `buf.array[r, :4]` under `grad`: as for a static slice, the whole buffer's
+    cotangent was the update written into zeros, added to the buffer's cotangent
+    every step (`test_scan.py`'s "array sliced after", under a checkpointed
+    `esb.scan`: a zeros and an add of the whole buffer a step)."""
+    storage, tok, window, *starts = args
+    base, update, *at = dus.operands
+    wshape, ushape = _aval_of(window).shape, _aval_of(update).shape
+    if (
+        len(at) != nbatch + len(starts)
+        or ushape[:nbatch] != wshape[:nbatch]
+        or not is_zeros(base)
+    ):
+        return ctx, args
+    moved = []
+    for start, a, n, u in zip(starts, at[nbatch:], wshape[nbatch:], ushape[nbatch:]):
+        a = hlo.ConvertOp(start.type, a).result
+        lo, hi = _index_constant(start, 0), _index_constant(start, n - u)
+        a = hlo.ClampOp(lo, a, hi).result
+        moved.append(hlo.AddOp(start, a).result)
+    ctx = ctx.replace(avals_in=[*ctx.avals_in[:2], _aval_of(update), *ctx.avals_in[3:]])
+    return ctx, (storage, tok, update, *moved)
 
 
 def marked_onto_zeros(storage: ir.Value, window: ir.Value, starts) -> tuple:

@@ -175,6 +175,13 @@ def _array_slice(ops, b, x, p):
     return b, (b.array[:8, :16] * p["s"]).sum()
 
 
+def _array_dslice(ops, b, x, p):
+    """An insert, then a row of `buf.array` at a traced index, `[r, :16]` (a
+    `dynamic_slice` of the contents)."""
+    b = ops.insert(b, (x["r"][0], x["c"][0]), jnp.sin(p["s"] * x["v"]))
+    return b, (b.array[x["r"][1], :16] * p["s"]).sum()
+
+
 def _array_then_insert(ops, b, x, p):
     """A static slice of `buf.array` summed, then an insert of a value that does not
     depend on it: nothing but the library orders the sum before the insert."""
@@ -491,6 +498,15 @@ ROWS = (
         "array_slice",
         "(100, 500): traced insert, then a static slice of .array, [:8, :16]",
         _array_slice,
+        (100, 500),
+        1,
+        100,
+        500,
+    ),
+    Row(
+        "array_dslice",
+        "(100, 500): traced insert, then a row of .array at a traced index, [r, :16]",
+        _array_dslice,
         (100, 500),
         1,
         100,
