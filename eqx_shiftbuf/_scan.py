@@ -47,6 +47,7 @@ from jax.extend.core import ClosedJaxpr, jaxpr_as_fun, Primitive
 from jax.interpreters import ad, batching, mlir
 
 from . import _tape
+from ._primitives import read_p
 from ._schedule import schedule
 from ._writeonce import BUFFER, NORMAL, wrap, WriteOnceBuffer
 from ._xla import after
@@ -167,6 +168,33 @@ def _store(slot, snaps, stored):
 
 # ---------------------------------------------------------------------------
 # scan_p
+
+
+def _unchanged_as_buffers(jaxpr: ClosedJaxpr, num_consts: int, roles) -> tuple:
+    """`roles`, with each `NORMAL` carry leaf that the body returns unchanged (a
+    read-only carry: a table, a buffer the step only reads, through `read` too)
+    made a `BUFFER`.
+
+    Its value is the same at every step, so a rerun step may see its final value,
+    as a buffer's: it need not be stored. Stored, the reverse pass's rerun steps
+    wrote it back into the checkpoints it was loaded from, a `dynamic_update_slice`
+    of the stack of checkpoints whose update is a slice of that stack, and XLA
+    copied the whole stack twice a reversed step (a (64, 256) carry only read:
+    2 copies of its 3 checkpoints a step; `lax.scan` 0)."""
+    inner = jaxpr.jaxpr
+    carry_in = inner.invars[num_consts : num_consts + len(roles)]
+    # A read returns its storage as it was (`buf, w = buf.read()`).
+    same = {v: v for v in carry_in}
+    for eqn in inner.eqns:
+        v = eqn.invars[0] if eqn.invars else None
+        if eqn.primitive is read_p and isinstance(v, jcore.Var) and v in same:
+            same[eqn.outvars[0]] = same[v]
+    return tuple(
+        BUFFER
+        if r == NORMAL and isinstance(out, jcore.Var) and same.get(out) is v
+        else r
+        for r, v, out in zip(roles, carry_in, inner.outvars)
+    )
 
 
 scan_p = Primitive("esb_scan")
@@ -944,7 +972,7 @@ def scan(
             checkpoints=slots,
             unroll=unroll,
             save=False,
-            roles=tuple(roles),
+            roles=_unchanged_as_buffers(jaxpr, len(consts), roles),
         )
     if any(checked):
         tok = _replay(

@@ -575,6 +575,39 @@ def test_a_ring_whose_array_is_sliced_is_replayed_not_stored():
     _close(grad(SCANS["ckpt-3"]), grad(lax.scan))
 
 
+# Steps that only read their carry: a plain array returned as it is, a
+# `ShiftBuffer` read whole (`read` returns the buffer unchanged).
+READ_ONLY = {
+    "array": (lambda c: c, lambda c: (c, c)),
+    "read()": (esb.ShiftBuffer.from_array, lambda b: b.read()),
+}
+
+
+def _read_only_loss(scan, how: str):
+    wrap, read = READ_ONLY[how]
+
+    def loss(p, init, xs):
+        def body(c, x):
+            c, w = read(c)
+            return c, jnp.cos(w * x).sum() * p
+
+        _, ys = scan(body, wrap(init), xs)
+        return ys.sum()
+
+    return loss
+
+
+@pytest.mark.parametrize("how", READ_ONLY)
+def test_a_carry_the_step_only_reads_is_not_stored_nor_copied(how):
+    # Stored at checkpoints, the rerun steps wrote it back into the stack it was
+    # loaded from, and XLA copied the whole stack twice a reversed step.
+    rng = np.random.default_rng(6)
+    args = (0.7, jnp.asarray(rng.normal(size=(16, 64))), jnp.asarray(rng.normal(size=23)))
+    grad = lambda scan: jax.grad(_read_only_loss(scan, how), argnums=(0, 1))
+    assert esb.find_loop_copies(grad(SCANS["ckpt-3"]), *args, min_bytes=16 * 64) == []
+    _close(jax.jit(grad(SCANS["ckpt-3"]))(*args), jax.jit(grad(lax.scan))(*args))
+
+
 def _edit_temp_bytes(checkpoints: int, edits: str) -> int:
     scan = lambda f, c, x: esb.scan(f, c, x, checkpoints=checkpoints)
     args = _buffer_args(length=256, shape=(64, 256))
