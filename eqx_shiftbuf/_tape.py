@@ -57,7 +57,8 @@ from ._xla import materialised, opaque_zero
 
 # Primitives whose operand 0 is a buffer's storage and output 0 its new value.
 _EDITS = (read_p, accum_p, swap_p, insert_p, pop_p)
-# Primitives whose output is a part or a rearrangement of one operand (the one at
+# Primitives whose output is a part or a rearrangement of one operand (`rev`: a
+# delay line read oldest first, `buf.array[::-1]`) (the one at
 # the index given), linear in it, their other operands indices: a value read from
 # the storage through them is taped only where something else uses it. `after_p`
 # returns its token (operand 0); its operand 1 only orders an edit after a read.
@@ -68,6 +69,7 @@ _PARTS = {
     lax.squeeze_p: 0,
     lax.reshape_p: 0,
     lax.transpose_p: 0,
+    lax.rev_p: 0,
     rotate_p: 0,
     after_p: 0,
 }

@@ -547,14 +547,14 @@ def test_edits_however_called_have_lax_scan_gradients(edits):
 
 
 def _delay_line_loss(scan):
-    """A delay line (a ring) pushed at its front, its newest rows read as
-    `buf.array[:4]` (the storage rotated by the head, then sliced) and used
-    nonlinearly."""
+    """A delay line (a ring) pushed at its front, its oldest rows read as
+    `buf.array[::-1][:4]` (the storage rotated by the head, reversed, then
+    sliced) and used nonlinearly."""
 
     def loss(p, init, xs):
         def body(buf, x):
             buf = buf.insert(0, jnp.sin(p * x + jnp.arange(init.shape[1])))
-            return buf, jnp.cos(buf.array[:4]).sum()
+            return buf, jnp.cos(buf.array[::-1][:4] * jnp.arange(1, 5)[:, None]).sum()
 
         buf, ys = scan(body, esb.ShiftBuffer.from_array(init, axis=0), xs)
         return ys.sum() + (buf.array**2).sum()
