@@ -566,7 +566,11 @@ def test_a_ring_whose_array_is_sliced_is_replayed_not_stored():
     # The tape holds the 4 rows read, not the rotated buffer (which, 23 steps of
     # it larger than 3 stored copies, would not be taped: the ring stored).
     rng = np.random.default_rng(5)
-    args = (0.7, jnp.asarray(rng.normal(size=(64, 8))), jnp.asarray(rng.normal(size=23)))
+    args = (
+        0.7,
+        jnp.asarray(rng.normal(size=(64, 8))),
+        jnp.asarray(rng.normal(size=23)),
+    )
     loss = _delay_line_loss(SCANS["ckpt-3"])
     assert 0 in taped_leaves(jax.grad(loss, argnums=(0, 1)), *args)
     grad = lambda scan: jax.jit(
@@ -602,7 +606,11 @@ def test_a_carry_the_step_only_reads_is_not_stored_nor_copied(how):
     # Stored at checkpoints, the rerun steps wrote it back into the stack it was
     # loaded from, and XLA copied the whole stack twice a reversed step.
     rng = np.random.default_rng(6)
-    args = (0.7, jnp.asarray(rng.normal(size=(16, 64))), jnp.asarray(rng.normal(size=23)))
+    args = (
+        0.7,
+        jnp.asarray(rng.normal(size=(16, 64))),
+        jnp.asarray(rng.normal(size=23)),
+    )
     grad = lambda scan: jax.grad(_read_only_loss(scan, how), argnums=(0, 1))
     assert esb.find_loop_copies(grad(SCANS["ckpt-3"]), *args, min_bytes=16 * 64) == []
     _close(jax.jit(grad(SCANS["ckpt-3"]))(*args), jax.jit(grad(lax.scan))(*args))
