@@ -17,7 +17,8 @@ Carry leaves have roles (`_writeonce`): `NORMAL` leaves are stored at checkpoint
 `BUFFER` leaves (write-once buffers named in `buffers=`, and their records of writes)
 are not: the JVP hands their final values to `scan_lin_p`, and rerun steps see
 those, as in Equinox; `CHECKING` leaves (the checked mode's write count and
-phase) are zero in reruns, which turns the checks off. The JVP makes a `NORMAL` leaf
+phase) are zero in reruns, which turns the checks off. A `NORMAL` leaf the body
+returns unchanged is made a `BUFFER` (`_unchanged_as_buffers`). The JVP makes a `NORMAL` leaf
 `TAPED` where it is a `ShiftBuffer`'s storage that the step only edits and reads
 through the buffer primitives (`_tape`): not stored either, its reads are recorded
 by the forward pass and replayed in reruns, where the leaf is zero.
