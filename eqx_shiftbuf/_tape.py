@@ -57,11 +57,11 @@ from ._xla import materialised, opaque_zero
 
 # Primitives whose operand 0 is a buffer's storage and output 0 its new value.
 _EDITS = (read_p, accum_p, swap_p, insert_p, pop_p)
-# Primitives whose output is a part or a rearrangement of one operand (`rev`: a
-# delay line read oldest first, `buf.array[::-1]`) (the one at
+# Primitives whose output is a part or a rearrangement of one operand (the one at
 # the index given), linear in it, their other operands indices: a value read from
-# the storage through them is taped only where something else uses it. `after_p`
-# returns its token (operand 0); its operand 1 only orders an edit after a read.
+# the storage through them is taped only where something else uses it. (`rev`: a
+# delay line read oldest first, `buf.array[::-1]`.) `after_p` returns its token
+# (operand 0); its operand 1 only orders an edit after a read.
 _PARTS = {
     lax.slice_p: 0,
     lax.dynamic_slice_p: 0,

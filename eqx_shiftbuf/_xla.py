@@ -330,6 +330,7 @@ def _window_of_update(ctx, args: tuple, dus, nbatch: int) -> tuple:
     if (
         len(at) != nbatch + len(starts)
         or ushape[:nbatch] != wshape[:nbatch]
+        or any(_aval_of(start).shape for start in starts)  # (one start each)
         or not is_zeros(base)
     ):
         return ctx, args
