@@ -217,7 +217,7 @@ def _index_zero(tok) -> jax.Array:
     return tok.astype(jnp.int32)
 
 
-def _read_token(tok, value) -> jax.Array:
+def read_token(tok, value) -> jax.Array:
     """The token a read returns: `tok` plus a run-time zero made from `value`.
 
     The next access adds it to an index (or a trip count), so it runs after this
@@ -370,7 +370,7 @@ def _read_impl(
         # window: a zero made from the window is a second use of the converted
         # value, which XLA:CPU then materialises beside the buffer (1 copy per
         # step of the kv-cache body under grad).
-        return storage, out, _read_token(tok, bits)
+        return storage, out, read_token(tok, bits)
 
     whole = size == 1 and tuple(sizes) == tuple(storage.shape)
     if (whole or _each_element_whole(storage, bshape, sizes, nbatch)) and not in_loop:
@@ -416,7 +416,7 @@ def _read_impl(
 
     out = _loop_zeros(storage, (size,) + tuple(sizes))
     storage, out = _loop(tok, size, body, (storage, out))
-    tok = _read_token(tok, out)
+    tok = read_token(tok, out)
     out = from_carrier(out.reshape(bshape + tuple(sizes)), dtype)
     return from_carrier(storage, dtype), out, tok
 
@@ -668,10 +668,10 @@ def _ring_read_impl(storage, tok, starts, sizes: Sequence[int], ring: int):
         else:
             st = [jnp.broadcast_to(x, bshape).reshape(size) for x in starts]
         out, bits = _ring_reduced(storage, st, sizes, ring)
-        tok = _read_token(tok, bits)
+        tok = read_token(tok, bits)
     else:
         out = _ring_windows_in_loop(storage, starts, sizes, ring, _index_zero(tok))
-        tok = _read_token(tok, out)
+        tok = read_token(tok, out)
     out = from_carrier(out.reshape(bshape + tuple(sizes)), dtype)
     return from_carrier(storage, dtype), out, tok
 
@@ -1223,7 +1223,7 @@ def _pop_each_line(storage, tok, idx, head, axis: int, fill, read: bool, nbatch:
         sizes = (1,) * (axis + 1) + vshape
         starts = [*idx[:-1], col, *zeros]
         removed, bits = _reduced_read(storage, *starts, sizes=sizes, nbatch=nbatch)
-        tok = _read_token(tok, bits)
+        tok = read_token(tok, bits)
         removed = removed.reshape(bshape + vshape)
     else:  # a delete: the removed elements are not wanted
         removed = jnp.zeros(bshape + vshape, storage.dtype)
@@ -1317,7 +1317,7 @@ def _pop_edit(storage, tok, idx, axis, fill, read, ordered, values=None):
             # The write waits for the removed elements' update, which XLA fuses
             # with the read of the removed element from the buffer: after the
             # write, that read is of the old buffer, which is then a copy.
-            start[0] = start[0] + _index_zero(_read_token(tok, out)).astype(
+            start[0] = start[0] + _index_zero(read_token(tok, out)).astype(
                 start[0].dtype
             )
             s = _write_line(s, start, new_line(j, line, ix[-1]), axis)
@@ -1495,7 +1495,7 @@ def _after_deferred_reads(ctx, args):
     """`args` with the token waiting for the deferred reads of the storage, now
     materialised (`materialise_deferred_reads`)."""
     storage, tok, *rest = args
-    waits = materialise_deferred_reads(ctx, storage, _reduced_read, _read_token)
+    waits = materialise_deferred_reads(ctx, storage, _reduced_read, read_token)
     waits += user_reads_before(storage, ctx.module_context.module)
     tok = after_marked_reads(storage, tok, ctx.module_context.module)
     if not waits:
@@ -1503,7 +1503,7 @@ def _after_deferred_reads(ctx, args):
 
     def wait(tok, *bits):
         for b in bits:
-            tok = _read_token(tok, b)
+            tok = read_token(tok, b)
         return [tok]
 
     tok_aval = ctx.avals_in[1]

@@ -48,6 +48,7 @@ from ._primitives import (
     insert_p,
     pop_p,
     read_p,
+    read_token,
     rotate_p,
     swap_p,
 )
@@ -220,9 +221,7 @@ def _eval(
         params = eqn.primitive.get_bind_params(eqn.params)
         operands = list(map(read, eqn.invars))
         for v in waited.get(i, ()):
-            # (As a read's token: the edit adds it to an index, so runs after.)
-            tok = operands[1]
-            operands[1] = tok + opaque_zero(env[v]).astype(tok.dtype)
+            operands[1] = read_token(operands[1], env[v])  # (as a read's token)
         name_stack = source_info_util.current_name_stack() + eqn.source_info.name_stack
         with (
             source_info_util.user_context(
