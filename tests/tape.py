@@ -2,7 +2,8 @@
 
 `esb.scan` decides per buffer whether to record its reads instead of storing it
 (`eqx_shiftbuf/_tape.py`): a test of the recorded path asserts it was taken
-(`taped_leaves`), since a small buffer, or a large record, is stored.
+(`taped_leaves`), since a small buffer, or a large record, is stored; a buffer no
+step edits is not stored either (`unstored_leaves`).
 `loop_bodies` lists the instructions of compiled loop bodies, `loop_instructions`
 those and their callees', and `loop_buffer_work` the buffer-sized work among them.
 """
@@ -15,19 +16,30 @@ import re
 import jax
 
 from eqx_shiftbuf import _inspect
-from eqx_shiftbuf._writeonce import TAPED
+from eqx_shiftbuf._writeonce import BUFFER, TAPED
 
 
-def taped_leaves(fn, *args) -> list[int]:
-    """The flat carry leaves that the checkpointed scan in `fn`'s derivative (its
-    one `esb_scan` equation that stores carries) records instead of storing."""
+def _roles(fn, *args) -> tuple[int, ...]:
+    # Of the one `esb_scan` equation in `fn`'s derivative that stores carries.
     eqns = [
         e
         for e in jax.make_jaxpr(fn)(*args).eqns
         if e.primitive.name == "esb_scan" and e.params["save"]
     ]
     assert len(eqns) == 1, eqns
-    return [k for k, r in enumerate(eqns[0].params["roles"]) if r == TAPED]
+    return eqns[0].params["roles"]
+
+
+def taped_leaves(fn, *args) -> list[int]:
+    """The flat carry leaves that the checkpointed scan in `fn`'s derivative
+    records instead of storing."""
+    return [k for k, r in enumerate(_roles(fn, *args)) if r == TAPED]
+
+
+def unstored_leaves(fn, *args) -> list[int]:
+    """The flat carry leaves that the checkpointed scan in `fn`'s derivative does
+    not store: recorded (`taped_leaves`), or returned unchanged by every step."""
+    return [k for k, r in enumerate(_roles(fn, *args)) if r in (TAPED, BUFFER)]
 
 
 def _computations(fn, *args) -> tuple[dict[str, list[str]], list[str]]:
