@@ -43,7 +43,7 @@ import jax.tree_util as jtu
 import numpy as np
 from jax import lax
 from jax._src import ad_util, api_util, core as jcore, linear_util as lu
-from jax._src.interpreters import partial_eval as pe
+from jax._src.interpreters import batching as batching_internal, partial_eval as pe
 from jax.extend.core import ClosedJaxpr, jaxpr_as_fun, Primitive
 from jax.interpreters import ad, batching, mlir
 
@@ -593,20 +593,34 @@ def _reverse_pass(
 
 
 # ---------------------------------------------------------------------------
-# Batching: the body is vmapped; the carry is always batched (at 0), consts and xs
-# only when they are (consts at 0, xs at 1: after the scanned axis).
+# Batching: the body is vmapped; consts and xs batched only when they are (consts
+# at 0, xs at 1: after the scanned axis), the carry where it is or the body makes
+# it so (at 0; `esb_scan_lin`: all of it).
 
 
-def _batch_body(jaxpr, num_consts, num_carry, size, consts_batched, xs_batched, args):
+def _batch_body(
+    jaxpr,
+    num_consts,
+    num_carry,
+    size,
+    consts_batched,
+    xs_batched,
+    args,
+    carry_batched=None,
+):
     """The body vmapped over the batch of `args` (the operands, placed by
     `_place`): traced at their types, so that a batch sharded over devices (its
     sharding in its type, on a mesh with explicit axes) is traced sharded, as
-    `jax.vmap` traces a function of it, and the results have its sharding."""
+    `jax.vmap` traces a function of it, and the results have its sharding.
+    `carry_batched`: which carries are batched, in and out (default: all)."""
     num_in = len(jaxpr.in_avals)
     fun = jaxpr_as_fun(jaxpr)
+    if carry_batched is None:
+        carry_batched = [True] * num_carry
+    carry_axes = [0 if b else None for b in carry_batched]
     in_axes = (
         [0 if b else None for b in consts_batched]
-        + [0] * num_carry
+        + carry_axes
         + [0 if b else None for b in xs_batched]
     )
     kinds = _kinds(num_in, num_consts, num_carry)
@@ -615,8 +629,12 @@ def _batch_body(jaxpr, num_consts, num_carry, size, consts_batched, xs_batched, 
         for a, ax, x, kind in zip(jaxpr.in_avals, in_axes, args, kinds)
     ]
     assert len(in_avals) == num_in
+    num_y = len(jaxpr.out_avals) - num_carry
     batched = jax.vmap(
-        lambda *a: list(fun(*a)), in_axes=in_axes, out_axes=0, axis_size=size
+        lambda *a: list(fun(*a)),
+        in_axes=in_axes,
+        out_axes=carry_axes + [0] * num_y,
+        axis_size=size,
     )
     new, extra = _trace(batched, in_avals, "esb.scan (vmapped body)")
     return new, extra
@@ -633,14 +651,33 @@ def _batched_aval(x, kind):
 
 
 def _place(x, d, kind, batched, size):
-    """Move `x`'s batch axis (`d`, or None) where the batched body expects it: the
-    carry ("i") always at 0, broadcast if unbatched; consts ("c") at 0 and xs ("x")
-    at 1 (after the scanned axis), only when `batched`."""
-    if kind == "i":
-        return _move(x, d, 0, size)
+    """Move `x`'s batch axis (`d`, or None) where the batched body expects it, only
+    when `batched`: the carry ("i") and consts ("c") at 0, broadcast if `x` is
+    unbatched (a carry the body batches), xs ("x") at 1 (after the scanned axis)."""
     if not batched:
         return x
-    return _move(x, d, 0 if kind == "c" else 1, size)
+    return _move(x, d, 1 if kind == "x" else 0, size)
+
+
+def _carries_batched(jaxpr, num_consts, num_carry, size, batched) -> list[bool]:
+    """Which carries the batched body carries batched: those batched on entry
+    (`batched`: of every operand), and those the body makes batched from
+    batched operands, to a fixed point (as `lax.scan`'s batching rule).
+
+    A carry the body only reads, or computes from unbatched operands, stays
+    unbatched: broadcast to the batch, a buffer the step reads whole was one
+    batch's worth of memory, and its final value, which the reverse pass feeds
+    to the loop that reruns steps from a checkpoint, was copied on every one of
+    its trips under `jax.vmap(jax.grad(...))` (`lax.scan`: none).
+    """
+    cb, carry_b, xb = _split(list(batched), num_consts, num_carry)
+    axis = batching_internal.AxisData(None, size, None, None)
+    while True:
+        _, out_b = batching_internal.batch_jaxpr(jaxpr, axis, cb + carry_b + xb, False)
+        new = [a or b for a, b in zip(carry_b, out_b[:num_carry])]
+        if new == carry_b:
+            return carry_b
+        carry_b = new
 
 
 def _kinds(num_in, num_consts, num_carry):
@@ -683,9 +720,11 @@ def _scan_batch(
     size = _axis_size(args, dims)
     batched = [d is not None for d in dims]
     cb, _, xb = _split(batched, num_consts, num_carry)
+    carry_b = _carries_batched(jaxpr, num_consts, num_carry, size, batched)
+    batched = cb + carry_b + xb
     kinds = _kinds(len(args), num_consts, num_carry)
     args = [_place(*a, size) for a in zip(args, dims, kinds, batched)]
-    new, extra = _batch_body(jaxpr, num_consts, num_carry, size, cb, xb, args)
+    new, extra = _batch_body(jaxpr, num_consts, num_carry, size, cb, xb, args, carry_b)
     out = scan_p.bind(
         *extra,
         *args,
@@ -699,8 +738,13 @@ def _scan_batch(
         roles=roles,
     )
     num_y = len(jaxpr.out_avals) - num_carry
-    num_snaps = sum(_normal(roles)) if save else 0
-    out_dims = [0] * num_carry + [1] * num_y + [1] * num_snaps
+    # A carry's stored values (`save`, one per `NORMAL` carry) are batched as it is.
+    snaps_b = _pick(carry_b, _normal(roles)) if save else []
+    out_dims = (
+        [0 if b else None for b in carry_b]
+        + [1] * num_y
+        + [1 if b else None for b in snaps_b]
+    )
     return out, out_dims
 
 
@@ -715,10 +759,11 @@ def _lin_batch(
     primals, snaps, finals, tangents = _lin_split(args, num_in, roles)
     pdims, sdims, fdims, tdims = _lin_split(dims, num_in, roles)
     inexact = [_inexact(_aval(p)) for p in primals]
-    # A primal is batched if it or its tangent is.
+    # A primal is batched if it or its tangent is; every carry is.
     tdim_full = _fill([None] * len(primals), inexact, tdims)
     batched = [(pd is not None) or (td is not None) for pd, td in zip(pdims, tdim_full)]
     cb, _, xb = _split(batched, num_consts, num_carry)
+    batched = cb + [True] * num_carry + xb
     kinds = _kinds(num_in, num_consts, num_carry)
     primals = [_place(*a, size) for a in zip(primals, pdims, kinds, batched)]
     new, extra = _batch_body(jaxpr, num_consts, num_carry, size, cb, xb, primals)

@@ -616,6 +616,56 @@ def test_a_carry_the_step_only_reads_is_not_stored_nor_copied(how):
     _close(jax.jit(grad(SCANS["ckpt-3"]))(*args), jax.jit(grad(lax.scan))(*args))
 
 
+@pytest.mark.parametrize("how", READ_ONLY)
+def test_a_carry_the_step_only_reads_is_not_broadcast_to_the_batch(how):
+    # `jax.vmap` over the other operands: the carry stays one array, as under
+    # `lax.scan` (it was broadcast to the batch: a batch's worth of memory).
+    loss = _read_only_loss(SCANS["ckpt-3"], how)
+    init = jnp.ones((16, 64))
+    jaxpr = jax.make_jaxpr(jax.vmap(loss, in_axes=(0, None, None)))(
+        jnp.ones(5), init, jnp.ones(23)
+    )
+    scans = [e for e in jaxpr.eqns if e.primitive.name == "esb_scan"]
+    assert len(scans) == 1
+    shapes = [v.aval.shape for v in scans[0].invars]
+    assert (16, 64) in shapes and (5, 16, 64) not in shapes, shapes
+
+
+@pytest.mark.parametrize("how", READ_ONLY)
+def test_a_carry_the_step_only_reads_is_not_copied_under_vmap_of_grad(how):
+    # Broadcast to the batch (of the other carry, `h`), its final value fed the
+    # loop that reruns steps from a checkpoint, and XLA copied it on every trip
+    # (`lax.scan`: none).
+    wrap, read = READ_ONLY[how]
+
+    def loss(scan):
+        def f(p, init, h0, xs, rows):
+            def body(c, x):
+                a, h = c
+                a, w = read(a)
+                h = jnp.tanh(h * x[0] + w[x[1], :8])
+                return (a, h), jnp.cos(w * x[0]).sum()
+
+            (_, h), ys = scan(body, (wrap(init * p), h0), (xs, rows))
+            return ys.sum() + h.sum()
+
+        return jax.vmap(
+            jax.grad(f, argnums=(0, 1)), in_axes=(None, None, 0, None, None)
+        )
+
+    rng = np.random.default_rng(7)
+    args = (
+        0.9,
+        jnp.asarray(rng.normal(size=(32, 128))),
+        jnp.asarray(rng.normal(size=(3, 8))),
+        jnp.asarray(rng.normal(size=31)),
+        jnp.asarray(rng.integers(0, 32, 31), jnp.int32),
+    )
+    fn = loss(SCANS["ckpt-3"])
+    assert esb.find_loop_copies(fn, *args, min_bytes=32 * 128 * 8) == []
+    _close(jax.jit(fn)(*args), jax.jit(loss(lax.scan))(*args))
+
+
 def _edit_temp_bytes(checkpoints: int, edits: str) -> int:
     scan = lambda f, c, x: esb.scan(f, c, x, checkpoints=checkpoints)
     args = _buffer_args(length=256, shape=(64, 256))
