@@ -537,16 +537,24 @@ def _reverse_pass(
                 out.append(_zeros(a))
         return out
 
+    # Whether a rerun step ever stores what it computed (not with one checkpoint:
+    # every reversed step reruns from the first).
+    stores = sched.recomputed and bool((sched.advance_slot >= 0).any())
+
     def advance(state):
         assert adv_step is not None and adv_slot is not None
-        g, stored, snaps = state
+        g, stored, *snaps = state
         k = adv_step[g]
         carry, _ = body(consts, with_finals(stored), x_at(k))
         # What the step wrote into buffers is dropped (and its writes are dead
         # code for XLA).
         stored = pick(carry, normal)
-        snaps = _store(adv_slot[g], snaps, stored)
-        return g + 1, stored, snaps
+        if stores:
+            # Without stores, the stack stays out of the loop: carried through a
+            # `cond` that might write it, while `stored` (read from it) is live,
+            # XLA copied it twice a reversed step.
+            snaps = [_store(adv_slot[g], snaps[0], stored)]
+        return g + 1, stored, *snaps
 
     def reversal(j, state):
         snaps, ct_c, ct_k, ct_x = state
@@ -554,9 +562,9 @@ def _reverse_pass(
             lax.dynamic_index_in_dim(s, restore[j], keepdims=False) for s in snaps
         ]
         if adv_step is not None:
-            _, stored, snaps = lax.while_loop(
-                lambda s: s[0] < end[j], advance, (begin[j], stored, snaps)
-            )
+            state = (begin[j], stored, snaps) if stores else (begin[j], stored)
+            _, stored, *rest = lax.while_loop(lambda s: s[0] < end[j], advance, state)
+            snaps = rest[0] if stores else snaps
         carry = with_finals(stored)
         i = reverse[j]
         x = x_at(i)

@@ -15,7 +15,7 @@ from jax import lax
 import eqx_shiftbuf as esb
 from eqx_shiftbuf._schedule import binomial_steps, recomputed_steps, schedule
 
-from .tape import loop_buffer_work, taped_leaves
+from .tape import loop_buffer_work, taped_leaves, unstored_leaves
 
 
 RTOL = 1e-10
@@ -663,6 +663,39 @@ def test_a_carry_the_step_only_reads_is_not_copied_under_vmap_of_grad(how):
     )
     fn = loss(SCANS["ckpt-3"])
     assert esb.find_loop_copies(fn, *args, min_bytes=32 * 128 * 8) == []
+    _close(jax.jit(fn)(*args), jax.jit(loss(lax.scan))(*args))
+
+
+def test_a_carry_stored_at_one_checkpoint_is_not_copied_by_the_reruns():
+    # With one checkpoint every reversed step reruns the steps from the first,
+    # and never stores what they compute: the stack was still carried through
+    # the rerun loop (a `cond` that could write it, while the carry read from
+    # it was live), and XLA copied it twice a reversed step.
+    def loss(scan):
+        def f(a0, xs, rows, cols):
+            def body(c, x):
+                buf, acc = c
+                v, r, q = x
+                buf = buf.insert((r, q), v)
+                acc = acc + buf.array[r, :8]
+                return (buf, acc), acc.sum()
+
+            init = (esb.ShiftBuffer.from_array(a0), jnp.zeros(8, a0.dtype))
+            (buf, _), ys = scan(body, init, (xs, rows, cols))
+            return (buf.array**2).sum() + ys.sum()
+
+        return jax.grad(f)
+
+    rng = np.random.default_rng(8)
+    args = (
+        jnp.asarray(rng.normal(size=(6, 10))),
+        jnp.asarray(rng.normal(size=9)),
+        jnp.asarray(rng.integers(0, 6, 9), jnp.int32),
+        jnp.asarray(rng.integers(0, 10, 9), jnp.int32),
+    )
+    fn = loss(SCANS["ckpt-1"])
+    assert 0 not in unstored_leaves(fn, *args)  # the buffer is stored
+    assert esb.find_loop_copies(fn, *args, min_bytes=6 * 10 * 8) == []
     _close(jax.jit(fn)(*args), jax.jit(loss(lax.scan))(*args))
 
 
