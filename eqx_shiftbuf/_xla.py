@@ -843,6 +843,13 @@ def deferred_rotation(x: ir.Value, rotated: ir.Value, in_a_branch: ir.Value):
     while (op := _operation(x.owner)) is not None and (
         op.name == "stablehlo.reshape" and _unit_dims_only(op.operands[0], x)
     ):
+        if any(m in op.attributes for m in _MARKS):
+            # A window of the line read (a column of a delay line, `deferred_read`),
+            # not the storage: an edit materialises that read first, and the
+            # rotation reads the window. Deferred, the tuple held the window's
+            # `dynamic_slice`, which `_materialise` erases: a dangling operand (a
+            # verifier error forward, a crash under `jax.jvp`).
+            return rotated
         x = op.operands[0]
     mark = hlo.ReshapeOp(rotated.type, rotated)
     mark.operation.attributes[_DEFERRED_READ] = ir.UnitAttr.get()

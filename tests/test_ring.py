@@ -457,6 +457,34 @@ def test_windows_and_edits_between_the_ends_of_a_ring_match_plain_lax(mode):
         np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5)
 
 
+def _column_then_array_step(buf, x):
+    v, c = x
+    buf = buf.insert(0, jnp.full(3, v))
+    buf, col = buf.read((c * 0, 1), (8, 1))  # the whole line, at a traced start
+    return buf, col.sum() * v + buf.array[5:6, 1:3].sum()
+
+
+def _column_then_array_step_plain(a, x):
+    v, c = x
+    a = jnp.concatenate([jnp.full((1, 3), v), a[:-1]])
+    col = lax.dynamic_slice(a, (c * 0, c * 0 + 1), (8, 1))
+    return a, col.sum() * v + a[5:6, 1:3].sum()
+
+
+@pytest.mark.parametrize("mode", ["fwd", "grad", "jvp", "vmap(grad)", "jvp(vmap)"])
+def test_a_column_of_a_ring_then_its_array_match_plain_lax(mode):
+    # The column is the whole line, so it is read and rotated by the head; the
+    # rotation's deferral held the column's read, which the later `.array`
+    # materialised and erased: a verifier error forward, a crash under `jvp`.
+    args = _batched(mode, _delay_args((8, 3)))
+    lib = _delay_loss(_column_then_array_step, lambda a: esb.ShiftBuffer(a, 0))
+    plain = _delay_loss(_column_then_array_step_plain, lambda a: a)
+    got = jax.jit(_under(mode, lib))(*args)
+    want = jax.jit(_under(mode, plain))(*args)
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5)
+
+
 def test_an_edit_near_an_end_of_a_ring_moves_a_window_not_the_line():
     # An insert at K - 2 moves the last element and writes the value: a window of
     # two frames, where a shift of the whole line is a `select` over the buffer
