@@ -523,7 +523,13 @@ def _accum_impl(
     # copied the buffer every step.
     dtype = storage.dtype
     narrow = moved_as_bits(dtype)
-    if narrow or (ordered and (size != 1 or _pair_dim(sizes, storage.shape) is None)):
+    # Batched (the windows of one storage at a batch of starts: a read's transpose
+    # under `vmap` of an unbatched buffer), each window is read in the loop that
+    # writes it, after the writes before it: the windows may overlap, and an old
+    # window read before the loop lost the sums written into it earlier (a wrong
+    # gradient wherever two batch elements read the same element). The loop
+    # orders the reads after the write before it anyway (see `_shift`).
+    if size == 1 and (narrow or (ordered and _pair_dim(sizes, storage.shape) is None)):
         # As in `_shift`: read the old windows first (`_read_impl`: in a loop if
         # batched). Unbatched, only where the write cannot be widened
         # (`widened_write` widens along `_pair_dim`): a window as wide as every
@@ -540,7 +546,10 @@ def _accum_impl(
         w = _take(window, j)
         if size == 1 and olds is None:  # no loop read first: see `widened_write`
             return widened_write(s, st, w.shape, lambda old: old + w)
-        old = lax.dynamic_slice(s, st, w.shape) if olds is None else _take(olds, j)
+        if olds is None:
+            old = from_carrier(lax.dynamic_slice(s, st, w.shape), dtype)
+        else:
+            old = _take(olds, j)
         new = to_carrier((old + w).astype(dtype))  # (itself, unless narrow)
         return lax.dynamic_update_slice(s, new, st)
 

@@ -702,3 +702,53 @@ def test_a_batch_of_one_buffer_is_edited_in_place(shape, dtype, edit, mode):
     got = jax.jit(fn)(a, idx, xs)
     want = (loss if mode == "vmap" else jax.grad(loss))(a[0], idx[0], xs[0])
     np.testing.assert_array_equal(got[0], want)
+
+
+def _shared_windows_loss(lib: bool):
+    # Reads only, of one buffer the batch shares: each example's windows are
+    # at its own starts, and the (2, 4) window at the same place in all.
+    def loss(p, a0, cols, rows):
+        def step(b, x):
+            c, r = x
+            z = c * 0  # a traced zero
+            if lib:
+                b, w1 = b.read((z, 5), (2, 4))
+                b, w2 = b.read((r, z), (1, 16))
+            else:
+                w1 = lax.dynamic_slice(b, (z, z + 5), (2, 4))
+                w2 = lax.dynamic_slice(b, (r, z), (1, 16))
+            return b, (
+                w1.astype(jnp.float32).sum() + (w2.astype(jnp.float32) ** 2).sum()
+            )
+
+        b0 = esb.ShiftBuffer.from_array(a0, axis=1) if lib else a0
+        _, ys = lax.scan(step, b0, (cols, rows))
+        return p * ys.sum()
+
+    return lambda p, a0, cols, rows: jax.grad(
+        lambda p, a0: jax.vmap(loss, in_axes=(0, None, 0, 0))(p, a0, cols, rows).sum(),
+        argnums=1,
+    )(p, a0)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_overlapping_windows_a_batch_reads_of_a_shared_buffer_add_their_cotangents(
+    dtype,
+):
+    # The transpose is a batch of windows added into one cotangent, in a loop;
+    # each old window was read before the loop, so where two examples' windows
+    # overlap the later sum overwrote the earlier (a gradient wrong by 27 in the
+    # fuzzer's case). Both examples here read the (2, 4) window at (0, 5).
+    rng = np.random.default_rng(9)
+    args = (
+        jnp.asarray([1.0, 0.5, -2.0]),
+        jnp.asarray(rng.normal(size=(2, 16)), dtype),
+        jnp.asarray(rng.integers(0, 16, (3, 5)), jnp.int32),
+        jnp.asarray(rng.integers(0, 2, (3, 5)), jnp.int32),
+    )
+    got = jax.jit(_shared_windows_loss(True))(*args)
+    want = jax.jit(_shared_windows_loss(False))(*args)
+    tol = 1e-6 if dtype == jnp.float32 else 2e-2
+    np.testing.assert_allclose(
+        np.asarray(got, np.float32), np.asarray(want, np.float32), rtol=tol, atol=tol
+    )
