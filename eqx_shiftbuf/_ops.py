@@ -853,6 +853,19 @@ def _windowed_pop(b: Leaves, idx: list, axis: int, fill, h, p: int, side: str):
     return _write_line_window(b, idx, axis, at, new, h), removed, new_head
 
 
+def _only_element(idx: list, axis: int, shape: tuple[int, ...]):
+    """`(starts, sizes)` of the element at `idx` of a line one element long.
+
+    A shift of such a line is a write of that element (an insert) or a read and a
+    write of it (a pop): one window, in place. As a shift (the line read, then
+    written) a `(1, 256)` delay line's `pop((0,))` then `insert((0,), x)` copied
+    the buffer every step (1 forward, 3 under `jvp`; plain `lax` 0 and 1)."""
+    starts = list(idx[: axis + 1]) + [jnp.zeros_like(idx[axis])] * (
+        len(shape) - axis - 1
+    )
+    return starts, (1,) * (axis + 1) + tuple(shape[axis + 1 :])
+
+
 def _element_window(b: Leaves, idx: list, col: jax.Array):
     """`(starts, sizes)` of the element of `b`'s line at physical position `col`."""
     assert b.ring is not None
@@ -958,6 +971,12 @@ def insert_at(b: Leaves, index: Any, value: Any, axis: int, mode: str | None) ->
         value, vshape, b.storage.dtype, "value", f"the buffer's shape past axis {axis}"
     )
     cap, head = shape[axis], _ring_head(b.ring)
+    if cap == 1:  # the inserted value replaces the line's only element
+        starts, sizes = _only_element(idx, axis, shape)
+        storage, _, tok = P.bind_swap(
+            b.storage, b.token, val.reshape(sizes), starts, read=False
+        )
+        return b._replace(storage=storage, error=error, token=tok)
     h = jnp.int32(0) if head is None else head
     end = None if b.ring is None else _static_end(index, axis, cap)
     windowed = _window_shift_side(b, index, axis)  # None at an end
@@ -1000,6 +1019,16 @@ def pop_at(
     )
     shape = b.storage.shape
     cap, head = shape[axis], _ring_head(b.ring)
+    if cap == 1:  # the line's only element is read and `fill` written in its place
+        starts, sizes = _only_element(idx, axis, shape)
+        fills = jnp.full(sizes, fill, b.storage.dtype)
+        storage, removed, tok = P.bind_swap(
+            b.storage, b.token, fills, starts, read=read
+        )
+        removed = removed.reshape(shape[axis + 1 :])
+        if not read:
+            removed = jnp.zeros_like(removed)
+        return b._replace(storage=storage, error=error, token=tok), removed
     h = jnp.int32(0) if head is None else head
     end = None if b.ring is None else _static_end(index, axis, cap)
     windowed = _window_shift_side(b, index, axis)  # None at an end
