@@ -515,12 +515,11 @@ def _accum_impl(
         return _loop(tok, 1, lambda j, s: s + w, storage), tok_in
     olds = None
     sizes = tuple(window.shape[1:])
-    # A bfloat16 or float8 storage: its old windows are read first, and the sums
-    # written as bits (`carrier`). XLA:CPU computes the sum in float32 whatever,
-    # and writes in place through a conversion (to float32 or to bits) only when
-    # nothing else in the write's fusion reads the storage: read and written in
-    # one fusion, a batched accumulation (the transpose of a read under `vmap`)
-    # copied the buffer every step.
+    # A bfloat16 or float8 storage: the sums are written as bits (`carrier`), and
+    # an unbatched accumulation reads its old window first. XLA:CPU computes the
+    # sum in float32 whatever, and writes in place through a conversion (to
+    # float32 or to bits) only when nothing else in the write's fusion reads the
+    # storage.
     dtype = storage.dtype
     narrow = moved_as_bits(dtype)
     # Batched (the windows of one storage at a batch of starts: a read's transpose
@@ -530,8 +529,8 @@ def _accum_impl(
     # gradient wherever two batch elements read the same element). The loop
     # orders the reads after the write before it anyway (see `_shift`).
     if size == 1 and (narrow or (ordered and _pair_dim(sizes, storage.shape) is None)):
-        # As in `_shift`: read the old windows first (`_read_impl`: in a loop if
-        # batched). Unbatched, only where the write cannot be widened
+        # As in `_shift`: read the old window first (`_read_impl`). Where the
+        # order matters, only where the write cannot be widened
         # (`widened_write` widens along `_pair_dim`): a window as wide as every
         # dimension of the buffer that has two elements (a window of a 1-D
         # buffer). Read by its own `dynamic_slice`, XLA:CPU fused the straight-line

@@ -1443,6 +1443,10 @@ def _materialise(ctx, mark: ir.Operation, reduced: Callable, token_after: Callab
         window, bits = mlir.lower_fun(fn, multiple_results=True)(sub, storage, *starts)
     mark.operands[0] = window
     del mark.attributes[_DEFERRED_READ]
+    # Erasing an operation still in use leaves a dangling operand: an MLIR
+    # verifier error at best, memory corruption at worst (see `deferred_rotation`).
+    if any(True for r in dead.results for _ in r.uses):
+        raise AssertionError("eqx_shiftbuf: a materialised read is still in use")
     dead.erase()
 
     def waited(tok, bits):
