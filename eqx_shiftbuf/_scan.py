@@ -543,18 +543,14 @@ def _reverse_pass(
 
     def advance(state):
         assert adv_step is not None and adv_slot is not None
-        g, stored, *snaps = state
+        g, stored, snaps = state
         k = adv_step[g]
         carry, _ = body(consts, with_finals(stored), x_at(k))
         # What the step wrote into buffers is dropped (and its writes are dead
         # code for XLA).
         stored = pick(carry, normal)
-        if stores:
-            # Without stores, the stack stays out of the loop: carried through a
-            # `cond` that might write it, while `stored` (read from it) is live,
-            # XLA copied it twice a reversed step.
-            snaps = [_store(adv_slot[g], snaps[0], stored)]
-        return g + 1, stored, *snaps
+        snaps = _store(adv_slot[g], snaps, stored)
+        return g + 1, stored, snaps
 
     def reversal(j, state):
         snaps, ct_c, ct_k, ct_x = state
@@ -562,9 +558,12 @@ def _reverse_pass(
             lax.dynamic_index_in_dim(s, restore[j], keepdims=False) for s in snaps
         ]
         if adv_step is not None:
-            state = (begin[j], stored, snaps) if stores else (begin[j], stored)
-            _, stored, *rest = lax.while_loop(lambda s: s[0] < end[j], advance, state)
-            snaps = rest[0] if stores else snaps
+            # Without stores, the stack stays out of the loop (an empty list):
+            # carried through a `cond` that might write it, while `stored` (read
+            # from it) is live, XLA copied it twice a reversed step.
+            state = (begin[j], stored, snaps if stores else [])
+            _, stored, kept = lax.while_loop(lambda s: s[0] < end[j], advance, state)
+            snaps = kept if stores else snaps
         carry = with_finals(stored)
         i = reverse[j]
         x = x_at(i)
@@ -606,31 +605,16 @@ def _reverse_pass(
 # it so (at 0; `esb_scan_lin`: all of it).
 
 
-def _batch_body(
-    jaxpr,
-    num_consts,
-    num_carry,
-    size,
-    consts_batched,
-    xs_batched,
-    args,
-    carry_batched=None,
-):
+def _batch_body(jaxpr, num_consts, num_carry, size, batched, args):
     """The body vmapped over the batch of `args` (the operands, placed by
-    `_place`): traced at their types, so that a batch sharded over devices (its
-    sharding in its type, on a mesh with explicit axes) is traced sharded, as
-    `jax.vmap` traces a function of it, and the results have its sharding.
-    `carry_batched`: which carries are batched, in and out (default: all)."""
+    `_place`; `batched`: which are), a batched carry batched in the results too:
+    traced at their types, so that a batch sharded over devices (its sharding in
+    its type, on a mesh with explicit axes) is traced sharded, as `jax.vmap`
+    traces a function of it, and the results have its sharding."""
     num_in = len(jaxpr.in_avals)
     fun = jaxpr_as_fun(jaxpr)
-    if carry_batched is None:
-        carry_batched = [True] * num_carry
-    carry_axes = [0 if b else None for b in carry_batched]
-    in_axes = (
-        [0 if b else None for b in consts_batched]
-        + carry_axes
-        + [0 if b else None for b in xs_batched]
-    )
+    in_axes = [0 if b else None for b in batched]
+    carry_axes = in_axes[num_consts : num_consts + num_carry]
     kinds = _kinds(num_in, num_consts, num_carry)
     in_avals = [
         a if ax is None else _batched_aval(x, kind)
@@ -667,9 +651,9 @@ def _place(x, d, kind, batched, size):
     return _move(x, d, 1 if kind == "x" else 0, size)
 
 
-def _carries_batched(jaxpr, num_consts, num_carry, size, batched) -> list[bool]:
-    """Which carries the batched body carries batched: those batched on entry
-    (`batched`: of every operand), and those the body makes batched from
+def _with_batched_carries(jaxpr, num_consts, num_carry, size, batched) -> list[bool]:
+    """`batched` (of every operand), with the carries the batched body carries
+    batched: those batched on entry, and those the body makes batched from
     batched operands, to a fixed point (as `lax.scan`'s batching rule).
 
     A carry the body only reads, or computes from unbatched operands, stays
@@ -684,7 +668,7 @@ def _carries_batched(jaxpr, num_consts, num_carry, size, batched) -> list[bool]:
         _, out_b = batching_internal.batch_jaxpr(jaxpr, axis, cb + carry_b + xb, False)
         new = [a or b for a, b in zip(carry_b, out_b[:num_carry])]
         if new == carry_b:
-            return carry_b
+            return cb + carry_b + xb
         carry_b = new
 
 
@@ -727,12 +711,11 @@ def _scan_batch(
 ):
     size = _axis_size(args, dims)
     batched = [d is not None for d in dims]
-    cb, _, xb = _split(batched, num_consts, num_carry)
-    carry_b = _carries_batched(jaxpr, num_consts, num_carry, size, batched)
-    batched = cb + carry_b + xb
+    batched = _with_batched_carries(jaxpr, num_consts, num_carry, size, batched)
+    carry_b = batched[num_consts : num_consts + num_carry]
     kinds = _kinds(len(args), num_consts, num_carry)
     args = [_place(*a, size) for a in zip(args, dims, kinds, batched)]
-    new, extra = _batch_body(jaxpr, num_consts, num_carry, size, cb, xb, args, carry_b)
+    new, extra = _batch_body(jaxpr, num_consts, num_carry, size, batched, args)
     out = scan_p.bind(
         *extra,
         *args,
@@ -774,7 +757,7 @@ def _lin_batch(
     batched = cb + [True] * num_carry + xb
     kinds = _kinds(num_in, num_consts, num_carry)
     primals = [_place(*a, size) for a in zip(primals, pdims, kinds, batched)]
-    new, extra = _batch_body(jaxpr, num_consts, num_carry, size, cb, xb, primals)
+    new, extra = _batch_body(jaxpr, num_consts, num_carry, size, batched, primals)
     # Tangents exist for the inexact primals only, and go where their primal goes.
     tangent_kinds = _pick(list(zip(kinds, batched)), inexact)
     tangents = [

@@ -384,17 +384,27 @@ def _batched(mode, args):
     return a, v, c
 
 
-@pytest.mark.parametrize("mode", ["fwd", "grad", "jvp", "vmap(grad)", "jvp(vmap)"])
-@pytest.mark.parametrize("shape", [(8, 3), (8,)], ids=["frames", "flat"])
-@pytest.mark.parametrize("traced_tap", [False, True], ids=["static", "mixed"])
-def test_static_taps_of_a_ring_match_plain_lax(mode, shape, traced_tap):
+def _assert_matches_plain_lax(mode, shape, step, step_plain):
+    """`step` on a ring of `shape` and `step_plain` on the array, scanned under
+    `mode` (`_under`), give the same values and derivatives."""
     args = _batched(mode, _delay_args(shape))
-    lib = _delay_loss(_delay_step(TAPS, traced_tap), lambda a: esb.ShiftBuffer(a, 0))
-    plain = _delay_loss(_delay_step_plain(TAPS, traced_tap), lambda a: a)
+    lib = _delay_loss(step, lambda a: esb.ShiftBuffer(a, 0))
+    plain = _delay_loss(step_plain, lambda a: a)
     got = jax.jit(_under(mode, lib))(*args)
     want = jax.jit(_under(mode, plain))(*args)
     for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
         np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("mode", ["fwd", "grad", "jvp", "vmap(grad)", "jvp(vmap)"])
+@pytest.mark.parametrize("shape", [(8, 3), (8,)], ids=["frames", "flat"])
+@pytest.mark.parametrize("traced_tap", [False, True], ids=["static", "mixed"])
+def test_static_taps_of_a_ring_match_plain_lax(mode, shape, traced_tap):
+    step, step_plain = (
+        _delay_step(TAPS, traced_tap),
+        _delay_step_plain(TAPS, traced_tap),
+    )
+    _assert_matches_plain_lax(mode, shape, step, step_plain)
 
 
 ROWS = 3  # the windows' rows in `_window_step`
@@ -448,13 +458,7 @@ def test_windows_and_edits_between_the_ends_of_a_ring_match_plain_lax(mode):
     # Each window is one gather whose rows wrap (`read_p`'s `ring`), at a static
     # offset from the head (`wrap`) or a traced start; each edit moves the window
     # between its position and the nearer end (`_ops._window_shift_side`).
-    args = _batched(mode, _delay_args((8, 3)))
-    lib = _delay_loss(_window_step, lambda a: esb.ShiftBuffer(a, 0))
-    plain = _delay_loss(_window_step_plain, lambda a: a)
-    got = jax.jit(_under(mode, lib))(*args)
-    want = jax.jit(_under(mode, plain))(*args)
-    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
-        np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5)
+    _assert_matches_plain_lax(mode, (8, 3), _window_step, _window_step_plain)
 
 
 def _column_then_array_step(buf, x):
@@ -476,13 +480,8 @@ def test_a_column_of_a_ring_then_its_array_match_plain_lax(mode):
     # The column is the whole line, so it is read and rotated by the head; the
     # rotation's deferral held the column's read, which the later `.array`
     # materialised and erased: a verifier error forward, a crash under `jvp`.
-    args = _batched(mode, _delay_args((8, 3)))
-    lib = _delay_loss(_column_then_array_step, lambda a: esb.ShiftBuffer(a, 0))
-    plain = _delay_loss(_column_then_array_step_plain, lambda a: a)
-    got = jax.jit(_under(mode, lib))(*args)
-    want = jax.jit(_under(mode, plain))(*args)
-    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
-        np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5)
+    step, step_plain = _column_then_array_step, _column_then_array_step_plain
+    _assert_matches_plain_lax(mode, (8, 3), step, step_plain)
 
 
 def test_an_edit_near_an_end_of_a_ring_moves_a_window_not_the_line():
