@@ -172,11 +172,17 @@ def _check_layout(layout):
 
 # The programs in two processes of their own, each program after
 # `jax.clear_caches()` as the build's hook runs them (`docs/_hooks.py`): a process
-# per program paid JAX's start-up and first compile seven times over. Two groups of
-# about the same run time, so that two workers share them.
+# per program paid JAX's start-up and first compile seven times over. The layout
+# example re-runs the tutorials' models to compare layouts: `pytest --full` runs it
+# (tests/tiers.py).
 PROGRAM_GROUPS = [
     ("stack_rnn", "kv_cache", "sorted_rows", "copying_step"),
-    ("layout", "streaming_conv", "eqx_scan"),
+    ("streaming_conv", "eqx_scan"),
+    ("layout",),
+]
+PROGRAM_CASES = [
+    pytest.param(g, marks=pytest.mark.full) if g == ("layout",) else g
+    for g in PROGRAM_GROUPS
 ]
 
 _RUNNER = """\
@@ -205,7 +211,7 @@ def test_program_groups_cover_every_program():
 
 @pytest.mark.heavy
 @needs_mkdocs
-@pytest.mark.parametrize("names", PROGRAM_GROUPS, ids="+".join)
+@pytest.mark.parametrize("names", PROGRAM_CASES, ids="+".join)
 def test_program_runs(names, tmp_path):
     """Each program runs at its small size, in a process without this one's state
     (JAX's default 32-bit types, fresh caches), and returns what its page says.

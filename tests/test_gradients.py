@@ -17,6 +17,7 @@ import eqx_shiftbuf as esb
 
 from . import reference as ref
 from .tape import unstored_leaves
+from .tiers import examples
 
 
 LAYOUTS = [((7,), 0), ((3, 6), 1), ((4, 5), 0), ((2, 5, 3), 1)]
@@ -332,7 +333,7 @@ def _random_indices(rng, n_edits):
 # Each example with new `kinds` compiles two programs: 8 keep the suite short
 # (new draws on every run; a local `--hypothesis-profile` run can try more).
 # The fixed cases below (jvp, finite differences) cover every kind.
-@settings(max_examples=8)
+@settings(max_examples=examples(8))
 @given(
     kinds=st.lists(st.sampled_from(KINDS), min_size=1, max_size=3).map(tuple),
     seed=st.integers(0, 2**31 - 1),
@@ -370,7 +371,7 @@ def _checkpointed(f, init, xs):
 
 
 @pytest.mark.heavy
-@settings(max_examples=4)
+@settings(max_examples=examples(4))
 @given(
     kinds=st.lists(st.sampled_from(KINDS), min_size=1, max_size=3).map(tuple),
     seed=st.integers(0, 2**31 - 1),

@@ -14,11 +14,12 @@ import eqx_shiftbuf as esb
 
 from . import reference as ref
 from .special import SPECIAL, special_array, WHERE
+from .tiers import examples
 
 
 # Per property test. The draws cover every layout, dtype, kind and position many
 # times over at this count; more examples re-run the same code paths.
-EXAMPLES = 100
+EXAMPLES = examples(100)
 
 # (shape, axis): a flat line, rows of scalars, rows shifted as a whole, a stack of
 # feature vectors, and a 3-D buffer shifted along its last axis.

@@ -20,6 +20,7 @@ import eqx_shiftbuf as esb
 
 from . import reference as ref
 from .tape import loop_bodies, loop_buffer_work, loop_instructions
+from .tiers import examples
 
 
 # (shape, axis) of buffers with one line: a flat line, a stack of feature vectors,
@@ -96,8 +97,15 @@ def _apply_ref(a, op, axis):
     return ref.dynamic_update_slice(a, arg[1], index), None
 
 
-@pytest.mark.parametrize("shape, axis", RINGS)
-@settings(max_examples=10, deadline=None)
+@pytest.mark.parametrize(
+    "shape, axis",
+    # The quick run draws on a flat line and a row of vectors along axis 1.
+    [
+        r if r in (RINGS[0], RINGS[3]) else pytest.param(*r, marks=pytest.mark.full)
+        for r in RINGS
+    ],
+)
+@settings(max_examples=examples(10), deadline=None)
 @given(data=st.data())
 def test_edits_at_the_ends_and_anywhere_match_numpy(shape, axis, data):
     a = np.arange(np.prod(shape), dtype=np.float32).reshape(shape) + 100
@@ -842,7 +850,16 @@ def _delay_line_args(batch: bool):
 
 
 @pytest.mark.parametrize(
-    "mode", ["fwd", "grad", "jvp", "vmap", "vmap(grad)", "jit", "grad(checkpoint)"]
+    "mode",
+    [
+        "fwd",
+        "grad",
+        pytest.param("jvp", marks=pytest.mark.full),
+        pytest.param("vmap", marks=pytest.mark.full),
+        "vmap(grad)",
+        "jit",
+        "grad(checkpoint)",
+    ],
 )
 def test_a_ring_read_whole_then_edited_at_its_front_is_in_place(mode):
     # A delay line's `read()` then `insert(0, x)`: the rotation that read is

@@ -225,7 +225,9 @@ def test_jvp_equals_lax_scan(name):
     _close(_jvp(SCANS[name]), _jvp(_reference(name)))
 
 
-@pytest.mark.parametrize("name", ["ckpt-3", "ckpt-reverse-unroll"])
+@pytest.mark.parametrize(
+    "name", ["ckpt-3", pytest.param("ckpt-reverse-unroll", marks=pytest.mark.full)]
+)
 def test_vmap_of_grad_and_grad_of_vmap_and_jacrev(name):
     loss, w, init, xs = _problem(8)
     ref = _reference(name)
@@ -464,7 +466,10 @@ def _assert_taped_as_documented(scan, args):
     assert A in taped and N in taped and B not in taped, taped
 
 
-@pytest.mark.parametrize("name", ["ckpt-1", "ckpt-3", "ckpt-reverse-unroll"])
+@pytest.mark.parametrize(
+    "name",
+    ["ckpt-1", "ckpt-3", pytest.param("ckpt-reverse-unroll", marks=pytest.mark.full)],
+)
 def test_a_buffer_carry_only_edited_is_replayed_exactly(name):
     # `a` and `n` are not stored at checkpoints: rerun steps replay what their
     # accesses returned in the forward pass (`_tape`). `b` is stored.
@@ -477,7 +482,9 @@ def test_a_buffer_carry_only_edited_is_replayed_exactly(name):
 
 
 @pytest.mark.heavy
-@pytest.mark.parametrize("order", ["fwd-over-rev", "rev-over-fwd"])
+@pytest.mark.parametrize(
+    "order", ["fwd-over-rev", pytest.param("rev-over-fwd", marks=pytest.mark.full)]
+)
 def test_a_buffer_carry_only_edited_has_exact_second_derivatives(order):
     # Forward over reverse reruns steps with the tape's tangents (and a stand-in
     # storage); reverse over forward differentiates the tape's values.
@@ -523,6 +530,11 @@ STEP_EDITS = {
     "array sliced after": _edits_then_sliced,
     "also summed whole": lambda *a: (lambda b, o: (b, o + b.array.sum()))(*_edits(*a)),
 }
+# The quick run leaves out `filter_jit`, the same step as `jit` through Equinox.
+STEP_EDIT_CASES = [
+    pytest.param(k, marks=pytest.mark.full) if k == "filter_jit" else k
+    for k in STEP_EDITS
+]
 
 
 def _edit_loss(scan, edits: str):
@@ -537,7 +549,7 @@ def _edit_loss(scan, edits: str):
     return loss
 
 
-@pytest.mark.parametrize("edits", STEP_EDITS)
+@pytest.mark.parametrize("edits", STEP_EDIT_CASES)
 def test_edits_however_called_have_lax_scan_gradients(edits):
     args = _buffer_args(length=19, shape=(4, 6))
     grad = lambda scan: jax.jit(
@@ -706,7 +718,7 @@ def _edit_temp_bytes(checkpoints: int, edits: str) -> int:
     return compiled.memory_analysis().temp_size_in_bytes
 
 
-@pytest.mark.parametrize("edits", STEP_EDITS)
+@pytest.mark.parametrize("edits", STEP_EDIT_CASES)
 def test_a_buffer_carry_only_edited_costs_no_buffer_sized_work_per_step(edits):
     # Recorded, the buffer is neither stored nor reloaded: the compiled loops
     # touch it only by in-place updates of a window or line (here, its cotangent).
@@ -721,7 +733,7 @@ def test_a_buffer_carry_only_edited_costs_no_buffer_sized_work_per_step(edits):
         assert work == [], work
 
 
-@pytest.mark.parametrize("edits", STEP_EDITS)
+@pytest.mark.parametrize("edits", STEP_EDIT_CASES)
 def test_a_buffer_carry_only_edited_is_not_stored_at_checkpoints(edits):
     buffer_bytes = 64 * 256 * 8
     more = _edit_temp_bytes(32, edits) - _edit_temp_bytes(8, edits)

@@ -50,12 +50,22 @@ def _edit_and_read(buf, i):
 @pytest.mark.parametrize(
     "transform",
     [
-        lambda f: f,
-        lambda f: lambda b, i: jax.jvp(lambda b: f(b, i), (b,), (b,)),
-        lambda f: lambda b, i: jax.grad(lambda b: f(b, i)[0].sum())(b),
-        lambda f: lambda b, i: jax.vmap(f, in_axes=(None, 0))(b, jnp.stack([i, i])),
+        pytest.param(lambda f: f, id="plain"),
+        pytest.param(
+            lambda f: lambda b, i: jax.jvp(lambda b: f(b, i), (b,), (b,)),
+            id="jvp",
+            marks=pytest.mark.full,
+        ),
+        pytest.param(
+            lambda f: lambda b, i: jax.grad(lambda b: f(b, i)[0].sum())(b),
+            id="grad",  # a jvp, then its transpose
+        ),
+        pytest.param(
+            lambda f: lambda b, i: jax.vmap(f, in_axes=(None, 0))(b, jnp.stack([i, i])),
+            id="vmap",
+            marks=pytest.mark.full,
+        ),
     ],
-    ids=["plain", "jvp", "grad", "vmap"],
 )
 def test_retracing_leaves_no_tracer_alive(transform):
     def trace(n):
