@@ -2649,6 +2649,24 @@ def _accum_batch(args, dims, *, ordered, nbatch, ring=None):
     )
     if onto_zeros is not None:
         return onto_zeros
+    storage, tok, window, *starts = args
+    if _same_window_of_each_element(args, dims, nbatch, 1):
+        size = storage.shape[dims[0]]
+        whole = jnp.moveaxis(storage, dims[0], 0)
+        window = _move_front(window, dims[2], size)
+        # (A ring of one row wraps nowhere: `.array` of a `(1, n)` buffer along
+        # axis 0.)
+        if window.shape == whole.shape and (ring is None or whole.shape[ring + 1] == 1):
+            # Each element's whole buffer (a whole read's transpose, the buffer
+            # batched, the read not): one whole-buffer add, in place in halves
+            # (`added_in_halves`). Through `_batch_common` it was an add per
+            # element in a loop over the batch, which XLA copied (the batch of
+            # cotangents, every step, under `vmap(grad)` of a read then a
+            # whole-buffer `dynamic_update_slice` of a `(1, n)` buffer: 3
+            # copies a step against plain `lax`'s 2).
+            zero = jnp.zeros((), jnp.asarray(starts[0]).dtype)
+            s, t = bind_accum(whole, tok, window, [zero] * whole.ndim, ordered, 0)
+            return (s, t), (0, None)
     storage, tok, (window,), idx, _ = _batch_common(args, dims, 1, write=True)
     nb = len(idx[0].shape)
     window = window.reshape(window.shape[:nb] + (1,) + window.shape[nb:])
