@@ -2630,6 +2630,13 @@ def _windows_onto_zeros(args, dims, *, ordered, nbatch, ring=None):
     del ordered  # (onto fresh zeros: nothing to order against)
     size = window.shape[wdim]
     w = jnp.moveaxis(window, wdim, 0).astype(storage.dtype)
+    if w.shape[1:] == shape:
+        # Each element's window is the whole buffer (`.array` of a buffer the
+        # batch has made its own): the sum is the windows. Scattered, XLA copied
+        # the batch of cotangents every step under `vmap(grad)` of `.array` then
+        # a whole-buffer `dynamic_update_slice` of a `(1, n)` buffer (3 against
+        # plain `lax`'s 2).
+        return (w, tok), (0, tdim)
     dtype = jnp.result_type(*starts)
     st = [_move_front(jnp.asarray(i, dtype), d, size) for i, d in zip(starts, idims)]
     indices = jnp.stack([lax.iota(dtype, size), *st], axis=-1)
@@ -2654,9 +2661,7 @@ def _accum_batch(args, dims, *, ordered, nbatch, ring=None):
         size = storage.shape[dims[0]]
         whole = jnp.moveaxis(storage, dims[0], 0)
         window = _move_front(window, dims[2], size)
-        # (A ring of one row wraps nowhere: `.array` of a `(1, n)` buffer along
-        # axis 0.)
-        if window.shape == whole.shape and (ring is None or whole.shape[ring + 1] == 1):
+        if ring is None and window.shape == whole.shape:
             # Each element's whole buffer (a whole read's transpose, the buffer
             # batched, the read not): one whole-buffer add, in place in halves
             # (`added_in_halves`). Through `_batch_common` it was an add per

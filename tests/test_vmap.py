@@ -754,13 +754,16 @@ def test_overlapping_windows_a_batch_reads_of_a_shared_buffer_add_their_cotangen
     )
 
 
-def _whole_read_then_overwrite(lib: bool, shape):
-    """A step that reads each element's whole buffer, then overwrites all of it
-    with a function of what it read, under `lax.scan`."""
+def _whole_read_then_overwrite(lib: bool, shape, how: str = "read"):
+    """A step that reads each element's whole buffer (`buf.read()` or
+    `buf.array`), then overwrites all of it with a function of what it read, under
+    `lax.scan`."""
 
     def step(buf, x):
-        if lib:
+        if lib and how == "read":
             buf, w = buf.read()
+        elif lib:
+            w = buf.array
         else:
             w = buf
         upd = jnp.sin(w) * x
@@ -787,16 +790,21 @@ def _whole_args(shape):
     return jnp.float32(1.1), a, xs.reshape((2, 6) + shape)
 
 
+@pytest.mark.parametrize("how", ["read", "array"])
 @pytest.mark.parametrize("shape", WHOLE_SHAPES, ids=str)
-def test_a_whole_read_of_a_batch_of_buffers_adds_its_cotangent_without_a_copy(shape):
+def test_a_whole_read_of_a_batch_of_buffers_adds_its_cotangent_without_a_copy(
+    shape, how
+):
     """The buffer batched by its first overwrite, the read not: each element's
-    whole cotangent is one add over the batch (`_accum_batch`), where an add per
-    element in a loop over the batch copied the batch of cotangents every step
+    whole cotangent is one add over the batch (`_accum_batch`), or, `.array`'s
+    (whose buffer is dropped), the batch of windows itself
+    (`_windows_onto_zeros`). An add per element in a loop over the batch, or a
+    scatter-add into a batch of zeros, copied the batch of cotangents every step
     (3 against plain `lax`'s 2 for `(1, 256)`, 2 against 2 for the others)."""
     args = _whole_args(shape)
     min_bytes = 2 * int(np.prod(shape)) * 4 // 2
     lib = esb.find_loop_copies(
-        _whole_read_then_overwrite(True, shape), *args, min_bytes=min_bytes
+        _whole_read_then_overwrite(True, shape, how), *args, min_bytes=min_bytes
     )
     plain = esb.find_loop_copies(
         _whole_read_then_overwrite(False, shape), *args, min_bytes=min_bytes
@@ -805,14 +813,16 @@ def test_a_whole_read_of_a_batch_of_buffers_adds_its_cotangent_without_a_copy(sh
     # depending on the shape, for the add of the step's two cotangents; none for
     # the read's (no loop over the batch).
     assert len(lib) <= len(plain), (lib, plain)
-    loops_in_step = [c for c in lib if c.op_name.endswith("/body/closed_call/while")]
-    assert loops_in_step == [], loops_in_step
+    in_step = ("/body/closed_call/while", "/body/closed_call/scatter-add")
+    accumulations = [c for c in lib if c.op_name.endswith(in_step)]
+    assert accumulations == [], accumulations
 
 
+@pytest.mark.parametrize("how", ["read", "array"])
 @pytest.mark.parametrize("shape", WHOLE_SHAPES, ids=str)
-def test_a_whole_read_of_a_batch_of_buffers_has_plain_lax_gradients(shape):
+def test_a_whole_read_of_a_batch_of_buffers_has_plain_lax_gradients(shape, how):
     args = _whole_args(shape)
-    got = jax.jit(_whole_read_then_overwrite(True, shape))(*args)
+    got = jax.jit(_whole_read_then_overwrite(True, shape, how))(*args)
     want = ref.jit_reference(_whole_read_then_overwrite(False, shape))(*args)
     for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
         np.testing.assert_allclose(g, w, rtol=2e-5, atol=1e-5)
