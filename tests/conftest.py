@@ -60,17 +60,25 @@ def _axes(item) -> list[tuple[str, ...]]:
     return axes + [(n,) for n in item.callspec.params if n not in named]
 
 
+# A list of more cases than this (the dtypes of a bit-exact read, the corpus
+# bodies, the natural rows by mode) runs every other case in the quick run.
+LONG_LIST = 8
+
+
 def covering_cases(items):
     """The cases of one test function that the quick run keeps: a greedy cover of
     the values of each `parametrize` in a product of them.
 
     The parameters one `parametrize` names together are one axis (a curated list
     of `(row, mode)` pairs is one axis, each pair a value). A test of one axis
-    keeps every case; a product of axes (edits by layouts by dtypes) keeps about
-    as many cases as its longest axis, each value of each axis in at least one
-    case, where `--full` runs every combination. Deterministic (ties go to the
-    first case collected), so every xdist worker keeps the same."""
+    keeps every case, or every other case of a list longer than `LONG_LIST`; a
+    product of axes (edits by layouts by dtypes) keeps about as many cases as its
+    longest axis, each value of each axis in at least one case. `--full` runs
+    every case. Deterministic (ties go to the first case collected), so every
+    xdist worker keeps the same."""
     axes = _axes(items[0])
+    if len(axes) == 1 and len(items) > LONG_LIST:
+        return {id(item) for item in items[::2]}
     values = [
         {
             (k, tuple(_value(item.callspec.params[n]) for n in axis))

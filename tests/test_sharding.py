@@ -195,9 +195,15 @@ SCRIPT = textwrap.dedent(
 # the others (on the explicit mesh).
 @pytest.mark.heavy
 # The Auto mesh's checks are the explicit mesh's, where XLA, not JAX, propagates
-# the sharding: `pytest --full` runs them.
+# the sharding; "other" is the data-parallel per-example loss: `pytest --full`
+# runs them (tests/tiers.py).
 @pytest.mark.parametrize(
-    "part", ["explicit", pytest.param("auto", marks=pytest.mark.full), "other"]
+    "part",
+    [
+        "explicit",
+        pytest.param("auto", marks=pytest.mark.full),
+        pytest.param("other", marks=pytest.mark.full),
+    ],
 )
 def test_sharded_batches_run_exactly_in_place_without_collectives(part):
     env = dict(os.environ, ESB_ROOT=str(ROOT), JAX_PLATFORMS="cpu")

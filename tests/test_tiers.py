@@ -3,7 +3,7 @@
 
 import pytest
 
-from .conftest import covering_cases
+from .conftest import covering_cases, LONG_LIST
 
 
 class _Callspec:
@@ -54,3 +54,9 @@ def test_the_choice_does_not_depend_on_object_identity_of_equal_values():
     marks = [("n", [1, 2]), ("s", [("x",), ("y",)])]
     items = [_Item(marks, {"n": n, "s": tuple([s])}) for n in (1, 2) for s in "xy"]
     assert _kept(items) == [{"n": 1, "s": ("x",)}, {"n": 2, "s": ("y",)}]
+
+
+def test_a_long_list_keeps_every_other_case_from_the_first():
+    n = LONG_LIST + 3
+    items = [_Item([("k", list(range(n)))], {"k": k}) for k in range(n)]
+    assert [k["k"] for k in _kept(items)] == list(range(0, n, 2))
