@@ -14,12 +14,17 @@ commit, say), alternating:
 
     python benchmarks/experiments/vmap_whole_overwrite.py [REPO]
 
-Measured (jax 0.10.2, 2-core CPU, no other load, two runs alternating with
-`a51c483`, 2026-12-07):
+Measured (jax 0.10.2, 2-core CPU, no other load but a machine 10-15% slower
+than earlier that day, two runs alternating with `a51c483`, 2026-12-07; copies a
+step, best of 7 ms):
 
-    code              read()                 .array                plain lax
-    a51c483 (before)  2 copies, RESULT_OLD_R  2 copies, RESULT_OLD_A  2 copies, RESULT_PLAIN
-    this change       1 copy,   RESULT_NEW_R  1 copy,   RESULT_NEW_A
+    code              read()             .array             plain lax
+    a51c483 (before)  2, 190.5-198.5     2, 188.3-195.2     2, 178.4-182.3
+    this change       1, 183.9-190.4     1, 186.4-189.4     2, 179.8-182.6
+
+The copy of the batch of cotangents (1 MiB a step) is gone; the time moves
+little against the step's own O(buffer) work (the whole overwrite, which plain
+`lax` copies too).
 """
 
 import sys
