@@ -2657,21 +2657,26 @@ def _accum_batch(args, dims, *, ordered, nbatch, ring=None):
     if onto_zeros is not None:
         return onto_zeros
     storage, tok, window, *starts = args
-    if _same_window_of_each_element(args, dims, nbatch, 1):
-        size = storage.shape[dims[0]]
-        whole = jnp.moveaxis(storage, dims[0], 0)
-        window = _move_front(window, dims[2], size)
-        if ring is None and window.shape == whole.shape:
-            # Each element's whole buffer (a whole read's transpose, the buffer
-            # batched, the read not): one whole-buffer add, in place in halves
-            # (`added_in_halves`). Through `_batch_common` it was an add per
-            # element in a loop over the batch, which XLA copied (the batch of
-            # cotangents, every step, under `vmap(grad)` of a read then a
-            # whole-buffer `dynamic_update_slice` of a `(1, n)` buffer: 3
-            # copies a step against plain `lax`'s 2).
-            zero = jnp.zeros((), jnp.asarray(starts[0]).dtype)
-            s, t = bind_accum(whole, tok, window, [zero] * whole.ndim, ordered, 0)
-            return (s, t), (0, None)
+    sdim, tdim, wdim = dims[:3]
+    unbatched = lambda x, d: tuple(n for k, n in enumerate(x.shape) if k != d)
+    if (
+        ring is None
+        and _same_window_of_each_element(args, dims, nbatch, 1)
+        and unbatched(window, wdim) == unbatched(storage, sdim)
+    ):
+        # Each element's whole buffer (a whole read's transpose, the buffer
+        # batched, the read not): one whole-buffer add across the batch, in place
+        # in halves (`added_in_halves`). Through `_batch_common` it was an add per
+        # element in a loop over the batch, which XLA copied (the batch of
+        # cotangents, every step, under `vmap(grad)` of a read then a
+        # whole-buffer `dynamic_update_slice` of a `(1, n)` buffer: 3 copies a
+        # step against plain `lax`'s 2).
+        storage, tok, starts, _, _ = _across_the_batch(
+            storage, sdim, tok, tdim, starts, None, None
+        )
+        window = _move_front(window, wdim, storage.shape[0])
+        s, t = bind_accum(storage, tok, window, starts, ordered, 0)
+        return (s, t), (0, _tdim(t))
     storage, tok, (window,), idx, _ = _batch_common(args, dims, 1, write=True)
     nb = len(idx[0].shape)
     window = window.reshape(window.shape[:nb] + (1,) + window.shape[nb:])

@@ -145,11 +145,7 @@ SCRIPT = textwrap.dedent(
         sh = NamedSharding(mesh, P("b"))
         a = jax.device_put(args, sh)
         buffer_bytes = 3 * K * 4
-        # The quick run compiles under `jax.set_mesh` only (tests/tiers.py).
-        contexts = ("jax.set_mesh",)
-        if os.environ.get("ESB_FULL_TESTS"):
-            contexts = ("no mesh in context", "jax.set_mesh")
-        for ctx in contexts:
+        for ctx in ("no mesh in context", "jax.set_mesh"):
             name = "vmap(per-example loss), " + ctx
             with jax.set_mesh(mesh) if ctx == "jax.set_mesh" else contextlib.nullcontext():
                 compiled = vg.lower(*a).compile()
