@@ -19,7 +19,6 @@ Measured (jax 0.10.2, 2-core CPU, two runs alternating, 2026-12-07), gradient ms
 """
 
 import sys
-import time
 from pathlib import Path
 
 
@@ -28,6 +27,7 @@ sys.path.insert(0, sys.argv[1] if len(sys.argv) > 1 else str(Path(__file__).pare
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
+from _timing import best_ms  # noqa: E402
 from jax import lax  # noqa: E402
 
 import eqx_shiftbuf as esb  # noqa: E402
@@ -50,14 +50,8 @@ def main():
     for name, scan in (("esb.scan", esb.scan), ("lax.scan", lax.scan)):
         grad = jax.grad(loss(scan), argnums=(0, 1))
         copies = len(esb.find_loop_copies(grad, *args))
-        g = jax.jit(grad)
-        jax.block_until_ready(g(*args))
-        best = float("inf")
-        for _ in range(30):
-            t0 = time.perf_counter()
-            jax.block_until_ready(g(*args))
-            best = min(best, time.perf_counter() - t0)
-        print(f"{name:9s} grad {best * 1e3:8.3f} ms  copies per step {copies}")
+        best = best_ms(jax.jit(grad), args, 30)
+        print(f"{name:9s} grad {best:8.3f} ms  copies per step {copies}")
 
 
 if __name__ == "__main__":

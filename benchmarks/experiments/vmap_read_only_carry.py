@@ -20,7 +20,6 @@ Measured (jax 0.10.2, 2-core CPU, no other load, two runs alternating with
 """
 
 import sys
-import time
 from pathlib import Path
 
 
@@ -29,6 +28,7 @@ sys.path.insert(0, sys.argv[1] if len(sys.argv) > 1 else str(Path(__file__).pare
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
+from _timing import best_ms  # noqa: E402
 from jax import lax  # noqa: E402
 
 import eqx_shiftbuf as esb  # noqa: E402
@@ -63,15 +63,9 @@ def main():
         compiled = jax.jit(g).lower(*args).compile()
         temp = compiled.memory_analysis().temp_size_in_bytes / 2**20
         copies = len(esb.find_loop_copies(g, *args, min_bytes=512 * 512 * 2))
-        jg = jax.jit(g)
-        jax.block_until_ready(jg(*args))
-        best = float("inf")
-        for _ in range(10):
-            t0 = time.perf_counter()
-            jax.block_until_ready(jg(*args))
-            best = min(best, time.perf_counter() - t0)
+        best = best_ms(jax.jit(g), args, 10)
         print(f"{name:9s} temp {temp:6.1f} MiB  copies per step {copies}  "
-              f"vmap(grad) {best * 1e3:7.1f} ms")  # fmt: skip
+              f"vmap(grad) {best:7.1f} ms")  # fmt: skip
 
 
 if __name__ == "__main__":

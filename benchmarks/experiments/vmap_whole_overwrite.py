@@ -28,7 +28,6 @@ little against the step's own O(buffer) work (the whole overwrite, which plain
 """
 
 import sys
-import time
 from pathlib import Path
 
 
@@ -37,6 +36,7 @@ sys.path.insert(0, sys.argv[1] if len(sys.argv) > 1 else str(Path(__file__).pare
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
+from _timing import best_ms  # noqa: E402
 from jax import lax  # noqa: E402
 
 import eqx_shiftbuf as esb  # noqa: E402
@@ -77,14 +77,9 @@ def main():
     )
     for how in ("read", "array", "plain"):
         f = program(how)
-        jax.block_until_ready(f(*args))
-        times = []
-        for _ in range(7):
-            t = time.perf_counter()
-            jax.block_until_ready(f(*args))
-            times.append(time.perf_counter() - t)
+        best = best_ms(f, args, 7)
         copies = len(esb.find_loop_copies(f, *args, min_bytes=BATCH * n * 4))
-        print(f"{how:6s} {copies} copies a step, {min(times) * 1e3:.1f} ms", flush=True)
+        print(f"{how:6s} {copies} copies a step, {best:.1f} ms", flush=True)
 
 
 if __name__ == "__main__":
