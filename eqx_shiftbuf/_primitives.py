@@ -192,6 +192,7 @@ from ._xla import (
     tokens_reduced_locally,
     unpadded_window,
     user_reads_before,
+    user_slices_materialised,
     varying_axes_of_aval,
     wait_at_hooks,
     widened_write,
@@ -331,6 +332,12 @@ def _reduce_read(storage, size: int, sizes: Sequence[int]) -> int | None:
     if size != 1 or jnp.issubdtype(storage.dtype, jnp.complexfloating):
         return None
     return _read_dim(sizes, storage.shape)
+
+
+def _can_reduce_read(aval, sizes: Sequence[int]) -> bool:
+    """Whether `_reduced_read` reads an unbatched window of `sizes` of a storage of
+    type `aval` (`user_slices_materialised`)."""
+    return _reduce_read(aval, 1, sizes) is not None
 
 
 def wrapped_starts(starts, wrap):
@@ -1503,8 +1510,11 @@ def _after_deferred_reads(ctx, args):
     """`args` with the token waiting for the deferred reads of the storage, now
     materialised (`materialise_deferred_reads`)."""
     storage, tok, *rest = args
-    waits = materialise_deferred_reads(ctx, storage, _reduced_read, read_token)
-    waits += user_reads_before(storage, ctx.module_context.module)
+    module = ctx.module_context.module
+    waits, arrays = materialise_deferred_reads(ctx, storage, _reduced_read, read_token)
+    for array in (storage, *arrays):
+        waits += user_reads_before(array, module)
+        waits += user_slices_materialised(ctx, array, _reduced_read, _can_reduce_read)
     tok = after_marked_reads(storage, tok, ctx.module_context.module)
     if not waits:
         return (storage, tok, *rest)

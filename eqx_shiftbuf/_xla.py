@@ -1465,10 +1465,14 @@ def _materialise(ctx, mark: ir.Operation, reduced: Callable, token_after: Callab
 
 def materialise_deferred_reads(
     ctx, storage: ir.Value, reduced: Callable, token_after: Callable
-) -> list:
-    """Materialise (`_materialise`) the deferred reads that the access of `storage`
-    being lowered may follow; return the `(bits, type)` of those in its block, which
-    it must wait for.
+) -> tuple[list, list]:
+    """`(waits, arrays)`: materialise (`_materialise`) the deferred reads that the
+    access of `storage` being lowered may follow; `waits` are the `(bits, type)` of
+    those in its block, which it must wait for, and `arrays` the rotations among
+    them (`.array` of a ring), whose users' reads it must wait for too
+    (`user_reads_before`): where XLA finds the ring's head constant 0 (a buffer
+    made inside the program), it drops the rotation, and those reads read the
+    storage (a copy a step for `y = buf.array[:8].sum()` then a traced insert).
 
     These are the reads of `storage` and of the values it was passed on from
     (`_aliases`), and, when `storage` is an argument of a called function (a
@@ -1491,14 +1495,16 @@ def materialise_deferred_reads(
         # that access found no read to wait for, and XLA copied its buffer (a
         # token-less `dynamic_slice` then an insert, under `jvp`: 2 per step).
         marks += [m for m in _all_marks(module) if m.block != block]
-    waits = []
+    waits, arrays = [], []
     for mark in marks:
         if _DEFERRED_READ not in mark.attributes:  # found twice
             continue
+        if mark.block == block and _info(mark, _ROTATION) is not None:
+            arrays.append(mark.result)
         bits = _materialise(ctx, mark, reduced, token_after)
         if mark.block == block:
             waits.append(bits)
-    return waits
+    return waits, arrays
 
 
 # What a user's read of a whole buffer (`buf.array[:8].sum()`, whose array is the
@@ -1568,7 +1574,7 @@ def user_reads_before(storage: ir.Value, module) -> list:
                 # (Not a reshape that flattens it, as the library's own reads
                 # of its first element do, `_primitives._loop_zeros`.)
                 todo.append(op.result)
-            elif op.name == "stablehlo.slice":
+            elif op.name in _USER_SLICES:
                 frontier(op.result, 8)
             elif op.name in _ELEMENTWISE and len(op.results) == 1:
                 # The whole buffer computed with elementwise, up to a
@@ -1580,6 +1586,141 @@ def user_reads_before(storage: ir.Value, module) -> list:
             elif op.name == "stablehlo.reduce":
                 found.extend(r for r in op.results if _known_dtype(r))
     return [(v, _aval_of(v)) for v in found]
+
+
+def user_slices_materialised(
+    ctx, storage: ir.Value, reduced: Callable, can_reduce: Callable
+) -> list:
+    """Materialise the user's plain slices of `storage` (`buf.array[r, :16]`, a
+    `lax.dynamic_slice` of `.array`) in the block being lowered that nothing uses
+    yet (but elementwise operations, `_read_by`); return the `(bits, type)` an
+    edit of `storage` must wait for.
+
+    Such a slice is used only after the edit being lowered: `w =
+    buf.array[r, :16]; buf = buf.insert(...); y = (w * s).sum()` (a row read, then
+    edited). `user_reads_before` finds no reader of it to wait for, and XLA fused
+    the slice into its reader after the edit's in-place write: 2 copies of the
+    buffer per step forward, 4 under `jvp`. The slice is read as the library reads
+    a window before an edit, `reduced(storage, *starts, sizes=...) -> (window,
+    bits)` (a reduction, which XLA does not fuse into its users), in its place, and
+    the slice itself, whose value JAX holds for those later users, is rewired to
+    take all of that window (a slice XLA then drops). `can_reduce(aval, sizes)`
+    says whether a window can be read so (not one that is the whole buffer, nor of
+    a complex dtype); the others are left as they are."""
+    block = ir.InsertionPoint.current.block  # pyright: ignore[reportAttributeAccessIssue]
+    waits = []
+    for v in _aliases(storage, module=ctx.module_context.module, through_loops=False):
+        for use in list(v.uses):
+            op = _operation(use.owner)
+            if (
+                op is None
+                or op.block != block
+                or use.operand_number != 0
+                or op.name not in _USER_SLICES
+                or any(m in op.attributes for m in _MARKS)
+                # (A slice read already, its readers waited for: materialised,
+                # a static slice then its sum took a kernel more a step, and
+                # the gradient of `array_then_insert` 1.3-1.5x as long.)
+                or _read_by(op.result, block, 8)
+            ):
+                continue
+            aval, sizes = _aval_of(v), tuple(_aval_of(op.result).shape)
+            if op.name == "stablehlo.gather":
+                if _windows_in_place(op):
+                    waits.append(_gathered_behind_barrier(op))
+                continue
+            if not can_reduce(aval, sizes):
+                continue
+            if op.name == "stablehlo.slice":
+                if any(k != 1 for k in ir.DenseI64ArrayAttr(op.attributes["strides"])):
+                    continue
+                first = list(ir.DenseI64ArrayAttr(op.attributes["start_indices"]))
+                with ir.InsertionPoint(op):
+                    starts = [mlir.ir_constant(np.int32(k)) for k in first]
+            else:
+                starts = list(op.operands[1:])
+            avals_in = [aval] + [_aval_of(i) for i in starts]
+            fn = functools.partial(reduced, sizes=sizes, ring=None, nbatch=0)
+            avals_out = [
+                ShapedArray(a.shape, a.dtype) for a in jax.eval_shape(fn, *avals_in)
+            ]
+            sub = ctx.replace(primitive=None, avals_in=avals_in, avals_out=avals_out)
+            with ir.InsertionPoint(op):
+                window, bits = mlir.lower_fun(fn, multiple_results=True)(
+                    sub, v, *starts
+                )
+            op.operands[0] = window
+            if op.name == "stablehlo.slice":
+                op.attributes["start_indices"] = mlir.dense_int_array([0] * len(sizes))
+                op.attributes["limit_indices"] = mlir.dense_int_array(list(sizes))
+            else:
+                with ir.InsertionPoint(op):
+                    for k in range(1, len(op.operands)):
+                        dtype = _aval_of(op.operands[k]).dtype
+                        op.operands[k] = mlir.ir_constant(np.zeros((), dtype))
+            waits.append((bits, avals_out[1]))
+    return waits
+
+
+_USER_SLICES = ("stablehlo.slice", "stablehlo.dynamic_slice", "stablehlo.gather")
+
+
+def _windows_in_place(gather: ir.Operation) -> bool:
+    """Whether `gather` takes one window of each of a batch (more than one) of
+    buffers and returns them laid out as its operand is (the batched
+    `dynamic_slice` of `jax.vmap`): a gather of its result with the same
+    dimension numbers at zero starts is then that result."""
+    dn = hlo.GatherDimensionNumbers(gather.attributes["dimension_numbers"])
+    shape = ir.RankedTensorType(gather.operands[0].type).shape
+    index_rank = ir.RankedTensorType(gather.operands[1].type).rank
+    sizes = list(ir.DenseI64ArrayAttr(gather.attributes["slice_sizes"]))
+    batch = list(dn.operand_batching_dims)
+    laid_out = [shape[d] if d in batch else sizes[d] for d in range(len(shape))]
+    return (
+        bool(batch)
+        and math.prod(shape[d] for d in batch) > 1
+        and not list(dn.collapsed_slice_dims)
+        and batch == sorted(batch)
+        and list(dn.start_indices_batching_dims)
+        == sorted(dn.start_indices_batching_dims)
+        and index_rank == len(batch) + 1
+        and list(dn.offset_dims) == [d for d in range(len(shape)) if d not in batch]
+        and list(ir.RankedTensorType(gather.result.type).shape) == laid_out
+    )
+
+
+def _gathered_behind_barrier(gather: ir.Operation) -> tuple:
+    """`(bits, type)`: the windows `gather` takes, gathered again before it behind an
+    `optimization_barrier`, which XLA:CPU does not duplicate into their readers as
+    it does a gather (for a batch of more than one window); `gather` is rewired to
+    take them all (`_windows_in_place`), so that its readers, lowered later, read
+    them too."""
+    with ir.InsertionPoint(gather):
+        again = gather.clone()
+        (windows,) = hlo.OptimizationBarrierOp([again.result]).results
+        zeros = mlir.ir_constant(
+            np.zeros(
+                _aval_of(gather.operands[1]).shape, _aval_of(gather.operands[1]).dtype
+            )
+        )
+    gather.operands[0] = windows
+    gather.operands[1] = zeros
+    return windows, _aval_of(windows)
+
+
+def _read_by(v: ir.Value, block, depth: int) -> bool:
+    """Whether `v` has a user in `block` past the operations `user_reads_before`
+    follows (`_THROUGH`, up to `depth` of them): one an edit can wait for."""
+    for use in list(v.uses):
+        op = _operation(use.owner)
+        if op is None or op.block != block or any(m in op.attributes for m in _MARKS):
+            continue
+        if op.name in _THROUGH and depth > 0 and len(op.results) == 1:
+            if _read_by(op.results[0], block, depth - 1):
+                return True
+        elif op.name.startswith("stablehlo.") and op.name not in _UNMOVABLE:
+            return True
+    return False
 
 
 def _unit_dims_only(a: ir.Value, b: ir.Value) -> bool:

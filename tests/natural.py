@@ -190,6 +190,39 @@ def _array_then_insert(ops, b, x, p):
     return b, y * p["s"]
 
 
+def _array_row_first(ops, b, x, p):
+    """A row of `buf.array` at a traced index, `[r, :16]`, then a traced insert; the
+    row is used after the insert (under `vmap`, a batch of rows: a gather)."""
+    w = b.array[x["r"][1], :16]
+    b = ops.insert(b, (x["r"][0], x["c"][0]), jnp.sin(p["s"] * x["v"]))
+    return b, (w * p["s"]).sum()
+
+
+def _array_row_sum_first(ops, b, x, p):
+    """`_array_then_insert` with a row at a traced index: `buf.array[r, :16]`
+    summed, then a traced insert."""
+    y = (b.array[x["r"][1], :16] * p["s"]).sum()
+    b = ops.insert(b, (x["r"][0], x["c"][0]), jnp.sin(p["s"] * x["v"]))
+    return b, y
+
+
+def _array_block_first(ops, b, x, p):
+    """A static block of `buf.array`, `[:8, :16]`, then a traced insert; the block
+    is used after the insert."""
+    w = b.array[:8, :16]
+    b = ops.insert(b, (x["r"][0], x["c"][0]), jnp.sin(p["s"] * x["v"]))
+    return b, (w * p["s"]).sum()
+
+
+def _ring_array_first(ops, b, x, p):
+    """1-D: `buf.array[:8]` summed, then a traced insert. The buffer is a ring made
+    inside the program, whose head XLA finds constant 0, so its rotation is
+    dropped and the sum reads the storage."""
+    y = (b.array[:8] * p["s"]).sum()
+    b = ops.insert(b, x["c"][0], jnp.sin(p["s"] * x["v"]))
+    return b, y
+
+
 def _delay_array(ops, b, x, p):
     """A delay line's `insert(0, x)`, then its newest frames as `buf.array[:4]`,
     used linearly: under `vmap`, their cotangent is the same for every element."""
@@ -520,6 +553,44 @@ ROWS = (
         1,
         100,
         500,
+    ),
+    Row(
+        "array_row_first",
+        "(100, 500): a row of .array at a traced index, [r, :16], then a traced "
+        "insert, the row used after it",
+        _array_row_first,
+        (100, 500),
+        1,
+        100,
+        500,
+    ),
+    Row(
+        "array_row_sum_first",
+        "(100, 500): a row of .array at a traced index, [r, :16], summed, then a "
+        "traced insert",
+        _array_row_sum_first,
+        (100, 500),
+        1,
+        100,
+        500,
+    ),
+    Row(
+        "array_block_first",
+        "(100, 500): .array[:8, :16], then a traced insert, the block used after it",
+        _array_block_first,
+        (100, 500),
+        1,
+        100,
+        500,
+    ),
+    Row(
+        "ring_array_first",
+        "1-D (4096,): .array[:8] summed, then a traced insert",
+        _ring_array_first,
+        (4096,),
+        0,
+        1,
+        4096,
     ),
     Row(
         "delay_array",
