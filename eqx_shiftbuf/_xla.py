@@ -1609,7 +1609,7 @@ def user_slices_materialised(
     a complex dtype); the others are left as they are."""
     block = ir.InsertionPoint.current.block  # pyright: ignore[reportAttributeAccessIssue]
     waits = []
-    for v in _aliases(storage, module=ctx.module_context.module, through_loops=False):
+    for v in _whole_views(storage, ctx.module_context.module, block):
         for use in list(v.uses):
             op = _operation(use.owner)
             if (
@@ -1625,75 +1625,114 @@ def user_slices_materialised(
             ):
                 continue
             aval, sizes = _aval_of(v), tuple(_aval_of(op.result).shape)
-            if op.name == "stablehlo.gather":
-                if _windows_in_place(op):
-                    waits.append(_gathered_behind_barrier(op))
+            layout = _gather_layout(op) if op.name == "stablehlo.gather" else None
+            if layout == "batched":
+                waits.append(_gathered_behind_barrier(op))
                 continue
-            if not can_reduce(aval, sizes):
+            if (op.name == "stablehlo.gather" and layout is None) or not can_reduce(
+                aval, sizes
+            ):
                 continue
-            if op.name == "stablehlo.slice":
-                if any(k != 1 for k in ir.DenseI64ArrayAttr(op.attributes["strides"])):
-                    continue
-                first = list(ir.DenseI64ArrayAttr(op.attributes["start_indices"]))
-                with ir.InsertionPoint(op):
-                    starts = [mlir.ir_constant(np.int32(k)) for k in first]
-            else:
-                starts = list(op.operands[1:])
-            avals_in = [aval] + [_aval_of(i) for i in starts]
-            fn = functools.partial(reduced, sizes=sizes, ring=None, nbatch=0)
-            avals_out = [
-                ShapedArray(a.shape, a.dtype) for a in jax.eval_shape(fn, *avals_in)
-            ]
-            sub = ctx.replace(primitive=None, avals_in=avals_in, avals_out=avals_out)
-            with ir.InsertionPoint(op):
-                window, bits = mlir.lower_fun(fn, multiple_results=True)(
-                    sub, v, *starts
-                )
-            op.operands[0] = window
-            if op.name == "stablehlo.slice":
-                op.attributes["start_indices"] = mlir.dense_int_array([0] * len(sizes))
-                op.attributes["limit_indices"] = mlir.dense_int_array(list(sizes))
-            else:
-                with ir.InsertionPoint(op):
-                    for k in range(1, len(op.operands)):
-                        dtype = _aval_of(op.operands[k]).dtype
-                        op.operands[k] = mlir.ir_constant(np.zeros((), dtype))
-            waits.append((bits, avals_out[1]))
+            read = _read_as_window(ctx, op, v, reduced, sizes)
+            if read is not None:
+                waits.append(read)
     return waits
+
+
+def _window_starts(op: ir.Operation, rank: int):
+    """`(operands, starts)` of the slice, dynamic slice or one-window gather `op`:
+    its index operands, and a function of their values that returns the window's
+    start along each of the `rank` dimensions. None for a strided slice."""
+    if op.name == "stablehlo.slice":
+        if any(k != 1 for k in ir.DenseI64ArrayAttr(op.attributes["strides"])):
+            return None
+        first = [int(k) for k in ir.DenseI64ArrayAttr(op.attributes["start_indices"])]
+        return [], lambda: [jnp.int32(k) for k in first]
+    if op.name == "stablehlo.dynamic_slice":
+        return list(op.operands[1:]), lambda *starts: list(starts)
+    # A gather of one window, whose index vector holds the starts of some
+    # dimensions (`start_index_map`); the others start at 0.
+    dn = hlo.GatherDimensionNumbers(op.attributes["dimension_numbers"])
+    index_map = list(dn.start_index_map)
+
+    def starts(vector):
+        return [
+            vector[index_map.index(d)] if d in index_map else jnp.int32(0)
+            for d in range(rank)
+        ]
+
+    return [op.operands[1]], starts
+
+
+def _read_as_window(ctx, op: ir.Operation, storage: ir.Value, reduced, sizes):
+    """`(bits, type)`: the window that the slice, dynamic slice or one-window
+    gather `op` takes of `storage`, read before `op` by `reduced`
+    (`window_by_reduce`), and `op` rewired to take all of that window; None where
+    `op` is not read so (`_window_starts`)."""
+    found = _window_starts(op, len(sizes))
+    if found is None:
+        return None
+    operands, starts = found
+    fn = functools.partial(reduced, sizes=sizes, ring=None, nbatch=0)
+
+    def read(x, *idx):
+        # (One index type: a gather's index vector is int64 under x64.)
+        return fn(x, *(jnp.asarray(i).astype(jnp.int32) for i in starts(*idx)))
+
+    avals_in = [_aval_of(storage)] + [_aval_of(i) for i in operands]
+    avals_out = [ShapedArray(a.shape, a.dtype) for a in jax.eval_shape(read, *avals_in)]
+    sub = ctx.replace(primitive=None, avals_in=avals_in, avals_out=avals_out)
+    with ir.InsertionPoint(op):
+        window, bits = mlir.lower_fun(read, multiple_results=True)(
+            sub, storage, *operands
+        )
+        zeros = [mlir.ir_constant(np.zeros(a.shape, a.dtype)) for a in avals_in[1:]]
+    op.operands[0] = window
+    if op.name == "stablehlo.slice":
+        op.attributes["start_indices"] = mlir.dense_int_array([0] * len(sizes))
+        op.attributes["limit_indices"] = mlir.dense_int_array(list(sizes))
+    for k, z in enumerate(zeros, start=1):
+        op.operands[k] = z
+    return bits, avals_out[1]
 
 
 _USER_SLICES = ("stablehlo.slice", "stablehlo.dynamic_slice", "stablehlo.gather")
 
 
-def _windows_in_place(gather: ir.Operation) -> bool:
-    """Whether `gather` takes one window of each of a batch (more than one) of
-    buffers and returns them laid out as its operand is (the batched
-    `dynamic_slice` of `jax.vmap`): a gather of its result with the same
-    dimension numbers at zero starts is then that result."""
+def _gather_layout(gather: ir.Operation) -> str | None:
+    """`"batched"` if `gather` takes one window of each of a batch (more than one)
+    of buffers, `"single"` if it takes one window of one buffer (a `dynamic_slice`
+    under `vmap` at unbatched starts), each returned laid out as its operand is,
+    so that a gather of its result with the same dimension numbers at zero starts
+    is that result; None otherwise."""
     dn = hlo.GatherDimensionNumbers(gather.attributes["dimension_numbers"])
     shape = ir.RankedTensorType(gather.operands[0].type).shape
     index_rank = ir.RankedTensorType(gather.operands[1].type).rank
     sizes = list(ir.DenseI64ArrayAttr(gather.attributes["slice_sizes"]))
     batch = list(dn.operand_batching_dims)
     laid_out = [shape[d] if d in batch else sizes[d] for d in range(len(shape))]
-    return (
-        bool(batch)
-        and math.prod(shape[d] for d in batch) > 1
-        and not list(dn.collapsed_slice_dims)
+    if not (
+        not list(dn.collapsed_slice_dims)
         and batch == sorted(batch)
         and list(dn.start_indices_batching_dims)
         == sorted(dn.start_indices_batching_dims)
         and index_rank == len(batch) + 1
         and list(dn.offset_dims) == [d for d in range(len(shape)) if d not in batch]
         and list(ir.RankedTensorType(gather.result.type).shape) == laid_out
-    )
+    ):
+        return None
+    # (A gather of a batch of one window XLA simplifies to a dynamic slice, which
+    # it duplicates into its readers past a barrier: read as one window.)
+    if batch and math.prod(shape[d] for d in batch) > 1:
+        return "batched"
+    return "single" if not batch else None
 
 
 def _gathered_behind_barrier(gather: ir.Operation) -> tuple:
     """`(bits, type)`: the windows `gather` takes, gathered again before it behind an
     `optimization_barrier`, which XLA:CPU does not duplicate into their readers as
     it does a gather (for a batch of more than one window); `gather` is rewired to
-    take them all (`_windows_in_place`), so that its readers, lowered later, read
+    take them all (`_gather_layout`), so that its readers, lowered later, read
     them too."""
     with ir.InsertionPoint(gather):
         again = gather.clone()
@@ -1706,6 +1745,28 @@ def _gathered_behind_barrier(gather: ir.Operation) -> tuple:
     gather.operands[0] = windows
     gather.operands[1] = zeros
     return windows, _aval_of(windows)
+
+
+def _whole_views(storage: ir.Value, module, block) -> list:
+    """`storage`, the values it was passed on from (`_aliases`), and, in `block`,
+    their reshapes that add or drop unit dimensions only: under `vmap`, `.array`
+    of each batch element's buffer is the storage with a unit dimension added,
+    then dropped (`_primitives._each_element_whole`)."""
+    out, todo = [], _aliases(storage, module, through_loops=False)
+    while todo:
+        v = todo.pop()
+        out.append(v)
+        for use in list(v.uses):
+            op = _operation(use.owner)
+            if (
+                op is not None
+                and op.block == block
+                and op.name == "stablehlo.reshape"
+                and not any(m in op.attributes for m in _MARKS)
+                and _unit_dims_only(v, op.result)
+            ):
+                todo.append(op.result)
+    return out
 
 
 def _read_by(v: ir.Value, block, depth: int) -> bool:

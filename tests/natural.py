@@ -206,6 +206,15 @@ def _array_row_sum_first(ops, b, x, p):
     return b, y
 
 
+def _array_window_first(ops, b, x, p):
+    """`lax.dynamic_slice` of `buf.array` at Python-int starts, then a traced
+    insert; the window is used after the insert (under `vmap`, a gather of one
+    window of the batch of buffers)."""
+    w = lax.dynamic_slice(b.array, (3, 0), (1, 16))
+    b = ops.insert(b, (x["r"][0], x["c"][0]), jnp.sin(p["s"] * x["v"]))
+    return b, (w * p["s"]).sum()
+
+
 def _array_block_first(ops, b, x, p):
     """A static block of `buf.array`, `[:8, :16]`, then a traced insert; the block
     is used after the insert."""
@@ -569,6 +578,16 @@ ROWS = (
         "(100, 500): a row of .array at a traced index, [r, :16], summed, then a "
         "traced insert",
         _array_row_sum_first,
+        (100, 500),
+        1,
+        100,
+        500,
+    ),
+    Row(
+        "array_window_first",
+        "(100, 500): lax.dynamic_slice(.array, (3, 0), (1, 16)), then a traced "
+        "insert, the window used after it",
+        _array_window_first,
         (100, 500),
         1,
         100,

@@ -101,6 +101,9 @@ IN_PLACE = [
     ("array_row_first", "jvp(vmap)"),
     ("array_row_sum_first", "jvp"),
     ("array_row_sum_first", "vmap(grad)"),
+    ("array_window_first", "grad"),
+    ("array_window_first", "vmap(grad)"),
+    ("array_window_first", "jvp(vmap)"),
     ("array_block_first", "fwd"),
     ("array_block_first", "grad"),
     # The same on a ring whose head XLA finds constant 0: it drops the rotation
@@ -178,6 +181,7 @@ def test_no_per_iteration_copies(row, mode):
         "array_then_insert",
         "array_row_first",
         "array_row_sum_first",
+        "array_window_first",
         "array_block_first",
         "ring_array_first",
         "delay_whole",
@@ -208,6 +212,7 @@ def test_values_and_gradients_match_plain_lax(row):
         ("array_row_first", "vmap(grad)"),
         ("array_row_first", "jvp(vmap)"),
         ("array_row_sum_first", "vmap(grad)"),
+        ("array_window_first", "jvp(vmap)"),
         ("ring_array_first", "jvp(vmap)"),
     ],
 )

@@ -104,6 +104,16 @@ slice of `.array` after an edit (`ins_arr`, `dus_arr`), 3 `ds_ins` at Python int
 (README, known limits). Before it, on the first 373 of those rows (four modes):
 64 rows copied (`ins_read` 16, `dus_read` 10, `dus_ds` 10, `ins_arr` 16, `dus_arr`
 10, `ds_ins` 2); after: 28 (`ins_arr`, `dus_arr`, `ds_ins`).
+2026-12-07, last: bodies `arr_ins` and `arrds_ins` (a slice of `.array`, static or
+at a start, taken before an insert and used after it) and `read_jit` (`read`,
+then an insert inside a nested `jax.jit`), 13 shapes, `traced32,pyint,npint`: 0
+on every row but `arrds_ins` at Python- or NumPy-int starts on the buffers of
+three or more dimensions under vmap(grad) and grad(vmap) (1 a step: JAX's sum of
+the buffer's two cotangents, the window's scattered into zeros, written out of
+place). Before `_xla.user_slices_materialised`, `arr_ins` and `arrds_ins` copied
+on every shape and mode (1-2 forward, 2-4 under jvp). `arr_jit` (an insert
+inside a nested `jax.jit` after a sum of a slice of `.array`) copies on every
+shape, 1-2 forward and 2-4 under jvp (README, known limits).
 """
 
 import argparse
@@ -230,6 +240,21 @@ def bodies(shape, axis, dtype):
             f32(r[1]).sum(),
         )
     )(b.pop(lead() + (i,)))
+    # A slice of `.array` (static, or at a traced start) taken before an edit and
+    # used after it; and an edit inside a nested `jax.jit` after a read.
+    B["arr_ins"] = lambda b, i, j, v: (
+        lambda w: (b.insert(lead() + (j,), val(v)), (f32(w) * v).sum())
+    )(b.array[head])
+    B["arrds_ins"] = lambda b, i, j, v: (
+        lambda w: (b.insert(lead() + (j,), val(v)), (f32(w) * v).sum())
+    )(lax.dynamic_slice(b.array, [jnp.asarray(k, jnp.int32) for k in st(i)], wsz))
+    jit_insert = jax.jit(lambda b, j, x: b.insert(lead() + (j,), x))
+    B["read_jit"] = lambda b, i, j, v: (
+        lambda r: (jit_insert(r[0], j, val(v)), (f32(r[1]) * v).sum())
+    )(b.read(st(i), wsz))
+    B["arr_jit"] = lambda b, i, j, v: (lambda y: (jit_insert(b, j, val(v)), y))(
+        (f32(b.array[head]) * v).sum()
+    )
     return B
 
 
