@@ -183,6 +183,8 @@ from ._xla import (
     opaque_zero,
     pick_by_max,
     rolled_in_branch,
+    rotated_pad,
+    rotated_window,
     rotation_in_a_branch,
     run_time_indices,
     run_time_values,
@@ -198,6 +200,7 @@ from ._xla import (
     widened_write,
     window2_edit,
     window_by_reduce,
+    zero_padded,
 )
 
 
@@ -1550,10 +1553,12 @@ def _with_wrapped_starts(ctx, args, wrap):
     return ctx, (storage, tok, *at)
 
 
-def _accum_unordered(storage, tok, window, *starts, scalars):
+def _accum_unordered(storage, tok, window, *starts, scalars, ring=None):
     """An unbatched accumulation, as `accum_p` lowers it (`fold_cotangent_sum`)."""
     lowered = run_time_indices(_accum_impl, 3)
-    return lowered(storage, tok, window, *starts, ordered=False, scalars=scalars)
+    return lowered(
+        storage, tok, window, *starts, ordered=False, scalars=scalars, ring=ring
+    )
 
 
 # The least size in bytes of a storage whose reads after an edit are made in a
@@ -1673,21 +1678,29 @@ def _define(name: str, impl: Callable, abstract: Callable, n_arrays: int) -> Pri
             window, after = deferred_loop_read(storage, tok, starts, window, after)
             marked_read(storage, after)  # for a later edit to wait for
             return [storage, window, after]
+        rotated = None
         if name == "esb_accum" and params.get("ring") is None:
-            ctx, args = unpadded_window(ctx, args, params["nbatch"])
+            ctx, args, rotated = rotated_window(ctx, args, params["nbatch"])
+            if rotated is None:
+                ctx, args = unpadded_window(ctx, args, params["nbatch"])
+            else:
+                params = dict(params, ring=rotated)
         onto_zeros = False
         if not many:
             fold_cotangent_sum(ctx, args[0], _accum_unordered)
-            # (Not a ring's window: `fold_cotangent_sum` re-lowers a marked
-            # accumulation as an ordinary one.)
+            # (Not the window of a ring read, whose accumulation
+            # `fold_cotangent_sum` would re-lower as an ordinary one; a rotated
+            # window's, it re-lowers with its ring.)
             onto_zeros = (
                 name == "esb_accum"
                 and params["nbatch"] == 0
-                and params.get("ring") is None
+                and (params.get("ring") is None or rotated is not None)
                 and is_zeros(args[0])
             )
             if onto_zeros:
-                window, starts = marked_onto_zeros(args[0], args[2], args[3:])
+                window, starts = marked_onto_zeros(
+                    args[0], args[2], args[3:], ring=rotated
+                )
                 args = (args[0], args[1], window, *starts)
             args = _after_deferred_reads(ctx, args)
         if not many and name != "esb_read":
@@ -1964,6 +1977,28 @@ def _rotate_lowering(ctx, x, shift, *, axis, contents=False, ordered=False):
     impl = functools.partial(_rotate_impl, axis=axis, contents=contents)
     x_aval, shift_aval = ctx.avals_in
     batched = shift_aval.ndim > 0
+    padded = (
+        None if contents or batched or moved_as_bits(x_aval.dtype) else (zero_padded(x))
+    )
+    if padded is not None:
+        # A zero-padded window rotated (a cotangent rotated back): marked for
+        # the accumulation of the result to add the window alone
+        # (`rotated_window`), at its rotated start.
+        window, low = padded
+        n = x_aval.shape[axis]
+
+        def rotated_and_start(x, shift):
+            at = low[axis] - shift.astype(jnp.int32)
+            return [impl(x, shift), jnp.where(at < 0, at + n, at)]
+
+        sub = ctx.replace(
+            avals_out=[*ctx.avals_out, ShapedArray((), jnp.dtype(jnp.int32))]
+        )
+        out, at = mlir.lower_fun(rotated_and_start, multiple_results=True)(
+            sub, x, shift
+        )
+        rotated_pad(out, window, at, axis, low)
+        return [out]
     if not ordered or (batched and on_several_devices(ctx)) or on_explicit_mesh(x_aval):
         # (Not for a batch of rings, each with its own head, split over devices:
         # the conditional's predicate would be made from one device's head; nor

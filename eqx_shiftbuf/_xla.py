@@ -277,6 +277,87 @@ def is_zeros(value: ir.Value) -> bool:
     return False
 
 
+# A rotation of a zero-padded window (JAX's transpose of a static slice of a
+# ring's `.array`, rotated back: `_primitives._rotate_transpose`), marked by an
+# unused tuple of the rotation's result, the window and its start along the
+# rotated axis, with the padding below it along the others (`rotated_pad`).
+_ROTATED_PAD = "esb.rotated_pad"
+_ROTATED_AXIS = "esb.rotated_axis"
+_PADDED_BELOW = "esb.padded_below"
+
+
+def zero_padded(x: ir.Value):
+    """`(window, low)` if `x` (during a lowering) is a window padded with zeros at
+    its edges, `low` the padding below it along each dimension; else None."""
+    pad = _operation(x.owner)
+    if pad is None or pad.name != "stablehlo.pad":
+        return None
+    low, high, interior = (
+        list(ir.DenseI64ArrayAttr(pad.attributes[k]))
+        for k in ("edge_padding_low", "edge_padding_high", "interior_padding")
+    )
+    if any(interior) or min(low + high) < 0 or not is_zeros(pad.operands[1]):
+        return None
+    return pad.operands[0], low
+
+
+def rotated_pad(rotated: ir.Value, window: ir.Value, start: ir.Value, axis: int, low):
+    """Mark `rotated`, a rotation along `axis` of `window` padded with zeros by
+    `low` below, whose rows start at `start` (int32) along `axis` once rotated,
+    for an accumulation of it to add the window alone (`rotated_window`)."""
+    info = hlo.TupleOp([rotated, window, start])
+    i64 = ir.IntegerType.get_signless(64)
+    info.operation.attributes[_ROTATED_PAD] = ir.UnitAttr.get()
+    info.operation.attributes[_ROTATED_AXIS] = ir.IntegerAttr.get(i64, axis)
+    info.operation.attributes[_PADDED_BELOW] = mlir.dense_int_array(list(low))
+
+
+def rotated_window(ctx, args: tuple, nbatch: int):
+    """`(ctx, args, ring)` of an unbatched accumulation `(storage, tok, window,
+    *starts)` of a whole buffer whose window is a marked rotation of a zero-padded
+    window (`rotated_pad`) in the block being lowered: the window itself, at its
+    rotated start, added as a ring's window along `ring` (wrapping round the end
+    of the storage). Else unchanged, and `ring` None.
+
+    `buf.array[:4]` of a ring (a delay line's newest frames) is a rotation of its
+    storage by the head, then a slice. Under `grad` the slice's cotangent was
+    padded with zeros to the whole line, rotated back (a gather of the whole line)
+    and added to the buffer's cotangent: O(line) a step against a forward of four
+    frames (`benchmarks/patterns.py`'s `delay_array`: gradient over forward
+    33)."""
+    storage, tok, window, *starts = args
+    block = ir.InsertionPoint.current.block  # pyright: ignore[reportAttributeAccessIssue]
+    info = next(
+        (
+            op
+            for op in (_operation(u.owner) for u in window.uses)
+            if op is not None and _ROTATED_PAD in op.attributes and op.block == block
+        ),
+        None,
+    )
+    if (
+        info is None
+        or nbatch
+        or _aval_of(window).shape != _aval_of(storage).shape
+        or len(starts) != _aval_of(storage).ndim
+    ):
+        return ctx, args, None
+    axis = ir.IntegerAttr(info.attributes[_ROTATED_AXIS]).value
+    low = list(ir.DenseI64ArrayAttr(info.attributes[_PADDED_BELOW]))
+    inner, start = info.operands[1], info.operands[2]
+    moved = []
+    for d, (st, by) in enumerate(zip(starts, low, strict=True)):
+        # (The accumulation's own starts are zeros: its window is the buffer.)
+        at = hlo.ConvertOp(st.type, start).result if d == axis else None
+        moved.append(
+            at
+            if at is not None
+            else (hlo.AddOp(st, _index_constant(st, by)).result if by else st)
+        )
+    ctx = ctx.replace(avals_in=[*ctx.avals_in[:2], _aval_of(inner), *ctx.avals_in[3:]])
+    return ctx, (storage, tok, inner, *moved), axis
+
+
 def unpadded_window(ctx, args: tuple, nbatch: int) -> tuple:
     """`(ctx, args)` of an accumulation `(storage, tok, window, *starts)` whose
     window is a zero-padded array (JAX's transpose of a static slice): the array
@@ -344,15 +425,20 @@ def _window_of_update(ctx, args: tuple, dus, nbatch: int) -> tuple:
     return ctx, (storage, tok, update, *moved)
 
 
-def marked_onto_zeros(storage: ir.Value, window: ir.Value, starts) -> tuple:
+def marked_onto_zeros(
+    storage: ir.Value, window: ir.Value, starts, ring: int | None = None
+) -> tuple:
     """`(window, starts)` of an accumulation, marked for `fold_cotangent_sum` if
     `storage` is zeros (`window` through a no-op `reshape`, `starts` through an
     `optimization_barrier`, as `run_time_indices` puts them anyway); unchanged
-    otherwise."""
+    otherwise. `ring`: the window's rows wrap along that axis (`rotated_window`)."""
     if not starts:
         return window, starts
     w = hlo.ReshapeOp(window.type, window)
     w.operation.attributes[_ONTO_ZEROS_WINDOW] = ir.UnitAttr.get()
+    if ring is not None:
+        i64 = ir.IntegerType.get_signless(64)
+        w.operation.attributes[_ROTATED_AXIS] = ir.IntegerAttr.get(i64, ring)
     b = hlo.OptimizationBarrierOp(list(starts))
     b.operation.attributes[_ONTO_ZEROS_STARTS] = ir.UnitAttr.get()
     return w.result, list(b.results)
@@ -423,6 +509,11 @@ def fold_cotangent_sum(ctx, storage: ir.Value, accum: Callable) -> None:
             continue
         window = window_op.operands[0]
         starts = list(starts_op.operands)
+        ring = (
+            ir.IntegerAttr(window_op.attributes[_ROTATED_AXIS]).value + lead
+            if _ROTATED_AXIS in window_op.attributes
+            else None
+        )
         tok_aval = ShapedArray((), jnp.float32)
         with ir.InsertionPoint(add):
             if lead:
@@ -433,7 +524,9 @@ def fold_cotangent_sum(ctx, storage: ir.Value, accum: Callable) -> None:
             sub = ctx.replace(
                 primitive=None, avals_in=avals_in, avals_out=[avals_in[0], tok_aval]
             )
-            fn = functools.partial(accum, scalars=computed_from_scalars(window))
+            fn = functools.partial(
+                accum, scalars=computed_from_scalars(window), ring=ring
+            )
             tok = mlir.ir_constant(jnp.float32(0))
             new, _ = mlir.lower_fun(fn, multiple_results=True)(
                 sub, rest, tok, window, *starts

@@ -232,14 +232,22 @@ def test_a_slice_of_array_read_before_an_insert_has_plain_lax_values_under_vmap(
 
 @pytest.mark.parametrize(
     "row, mode",
-    [("array_slice", "grad"), ("array_slice", "vmap(grad)"), ("array_dslice", "grad")],
+    [
+        ("array_slice", "grad"),
+        ("array_slice", "vmap(grad)"),
+        ("array_dslice", "grad"),
+        ("delay_array", "grad"),
+        ("delay_array", "vmap(grad)"),
+    ],
 )
 def test_a_slice_of_array_is_not_made_buffer_sized_in_the_gradient(row, mode):
     """`buf.array[:8, :16]`'s cotangent is accumulated as the slice's, not padded
     with zeros to the whole buffer and added every step, nor is `buf.array[r,
-    :16]`'s written into zeros the buffer's size (`_xla.unpadded_window`). (Under
-    `vmap` with a batch of `r`, the slice is a gather, and its cotangent still
-    scattered into a batch of zeros: README, known limits.)"""
+    :16]`'s written into zeros the buffer's size (`_xla.unpadded_window`), nor,
+    on a ring, is the padded cotangent of `buf.array[:4]` rotated back whole
+    (`_xla.rotated_window`). (Under `vmap` with a batch of `r`, the slice is a
+    gather, and its cotangent still scattered into a batch of zeros: README,
+    known limits.)"""
     r = natural.ROWS_BY_NAME[row]
     fn, args = _program(row, mode, natural.ESB)
     size = math.prod(r.shape) * (natural.BATCH if "vmap" in mode else 1)

@@ -5,6 +5,7 @@ one element. Its contents, reads, gradients and pytree behave as the logical arr
 from __future__ import annotations
 
 import functools
+import math
 
 import equinox as eqx
 import hypothesis.strategies as st
@@ -951,3 +952,52 @@ def test_two_whole_reads_of_a_complex_ring_then_a_traced_insert_are_in_place():
     np.testing.assert_allclose(
         jax.jit(grad)(s, buf, xs), jax.jit(grad)(s, moved, xs), rtol=2e-5
     )
+
+
+# (shape, axis, a static slice of `.array`): the window's rows wrap round the end
+# of the storage for some heads; padded below along the other dimensions too.
+ARRAY_SLICES = [
+    ((8, 3), 0, np.s_[:4]),
+    ((8, 3), 0, np.s_[5:8, 1:3]),
+    ((1, 9), 1, np.s_[:, 2:7]),
+    ((9,), 0, np.s_[6:]),
+]
+
+
+@pytest.mark.parametrize("shape, axis, index", ARRAY_SLICES, ids=str)
+def test_a_static_slice_of_a_rings_array_has_plain_autodiff_gradients(
+    shape, axis, index
+):
+    """Under `grad`, the cotangent of a static slice of a ring's `.array` is added
+    as the slice's window at its place in the storage, its rows wrapping
+    (`_xla.rotated_window`), not rotated back whole: the gradients are plain
+    autodiff's, for every head."""
+    n = shape[axis]
+    lead = (0,) * axis
+
+    def loss(w, a, pushes, lib):
+        v = jnp.tanh(
+            w * jnp.arange(math.prod(shape[axis + 1 :]) or 1, dtype=jnp.float32)
+        )
+        v = v.reshape(shape[axis + 1 :])
+        b = esb.ShiftBuffer(a, axis=axis) if lib else a
+        for k in range(pushes):  # moves the ring's head: `insert(0, .)`
+            if lib:
+                b = b.insert(lead + (0,), v * (k + 1))
+            else:
+                front = jnp.expand_dims(v * (k + 1), tuple(range(axis + 1)))
+                rest = lax.slice_in_dim(b, 0, n - 1, axis=axis)
+                b = jnp.concatenate([front, rest], axis=axis)
+        arr = b.array if lib else b
+        return (jnp.sin(arr[index]) * w).sum()
+
+    a = jnp.arange(math.prod(shape), dtype=jnp.float32).reshape(shape) / 10
+    for pushes in range(n + 1):
+        got = jax.jit(jax.grad(loss, argnums=(0, 1)), static_argnums=(2, 3))(
+            jnp.float32(0.7), a, pushes, True
+        )
+        want = jax.jit(jax.grad(loss, argnums=(0, 1)), static_argnums=(2, 3))(
+            jnp.float32(0.7), a, pushes, False
+        )
+        for g, w in zip(got, want, strict=True):
+            np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6)
