@@ -154,6 +154,7 @@ from jax.interpreters import ad, batching, mlir
 from ._xla import (
     added_in_halves,
     after_marked_reads,
+    aval_of,
     carrier,
     computed_from_scalars,
     DEFERRABLE_DTYPES,
@@ -183,7 +184,7 @@ from ._xla import (
     opaque_zero,
     pick_by_max,
     rolled_in_branch,
-    rotated_pad,
+    rotated_on_zeros,
     rotated_window,
     rotation_in_a_branch,
     run_time_indices,
@@ -200,7 +201,7 @@ from ._xla import (
     widened_write,
     window2_edit,
     window_by_reduce,
-    zero_padded,
+    window_on_zeros,
 )
 
 
@@ -1977,27 +1978,41 @@ def _rotate_lowering(ctx, x, shift, *, axis, contents=False, ordered=False):
     impl = functools.partial(_rotate_impl, axis=axis, contents=contents)
     x_aval, shift_aval = ctx.avals_in
     batched = shift_aval.ndim > 0
-    padded = (
-        None if contents or batched or moved_as_bits(x_aval.dtype) else (zero_padded(x))
+    on_zeros = (
+        None
+        if contents or batched or moved_as_bits(x_aval.dtype)
+        else window_on_zeros(x)
     )
-    if padded is not None:
-        # A zero-padded window rotated (a cotangent rotated back): marked for
-        # the accumulation of the result to add the window alone
+    if on_zeros is not None:
+        # A window on zeros rotated (a slice's cotangent rotated back): marked
+        # for the accumulation of the result to add the window alone
         # (`rotated_window`), at its rotated start.
-        window, low = padded
+        window, at = on_zeros
+        dynamic = [a for a in at if not isinstance(a, int)]
+        w_shape = ir.RankedTensorType(window.type).shape
         n = x_aval.shape[axis]
 
-        def rotated_and_start(x, shift):
-            at = low[axis] - shift.astype(jnp.int32)
-            return [impl(x, shift), jnp.where(at < 0, at + n, at)]
+        def rotated_and_starts(x, shift, *dynamic):
+            it = iter(dynamic)
+            starts = []
+            for d, a in enumerate(at):
+                if not isinstance(a, int):  # clamped, as `dynamic_update_slice`
+                    hi = x_aval.shape[d] - w_shape[d]
+                    a = jnp.clip(next(it).astype(jnp.int32), 0, hi)
+                starts.append(jnp.asarray(a, jnp.int32))
+            p = starts[axis] - shift.astype(jnp.int32)
+            starts[axis] = jnp.where(p < 0, p + n, p)
+            return [impl(x, shift), *starts]
 
+        int32 = ShapedArray((), jnp.dtype(jnp.int32))
         sub = ctx.replace(
-            avals_out=[*ctx.avals_out, ShapedArray((), jnp.dtype(jnp.int32))]
+            avals_in=[*ctx.avals_in, *(aval_of(v) for v in dynamic)],
+            avals_out=[*ctx.avals_out, *[int32] * len(at)],
         )
-        out, at = mlir.lower_fun(rotated_and_start, multiple_results=True)(
-            sub, x, shift
+        out, *starts = mlir.lower_fun(rotated_and_starts, multiple_results=True)(
+            sub, x, shift, *dynamic
         )
-        rotated_pad(out, window, at, axis, low)
+        rotated_on_zeros(out, window, starts, axis)
         return [out]
     if not ordered or (batched and on_several_devices(ctx)) or on_explicit_mesh(x_aval):
         # (Not for a batch of rings, each with its own head, split over devices:

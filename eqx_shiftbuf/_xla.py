@@ -277,45 +277,53 @@ def is_zeros(value: ir.Value) -> bool:
     return False
 
 
-# A rotation of a zero-padded window (JAX's transpose of a static slice of a
-# ring's `.array`, rotated back: `_primitives._rotate_transpose`), marked by an
-# unused tuple of the rotation's result, the window and its start along the
-# rotated axis, with the padding below it along the others (`rotated_pad`).
-_ROTATED_PAD = "esb.rotated_pad"
+# A rotation of a window on zeros (JAX's transpose of a slice of a ring's
+# `.array`, rotated back: `_primitives._rotate_transpose`), marked by an unused
+# tuple of the rotation's result, the window and its start along each dimension
+# once rotated (`rotated_on_zeros`).
+_ROTATED_WINDOW = "esb.rotated_window"
 _ROTATED_AXIS = "esb.rotated_axis"
-_PADDED_BELOW = "esb.padded_below"
 
 
-def zero_padded(x: ir.Value):
-    """`(window, low)` if `x` (during a lowering) is a window padded with zeros at
-    its edges, `low` the padding below it along each dimension; else None."""
-    pad = _operation(x.owner)
-    if pad is None or pad.name != "stablehlo.pad":
+def window_on_zeros(x: ir.Value):
+    """`(window, starts)` if `x` (during a lowering) is a window on zeros: padded
+    with zeros at its edges (JAX's transpose of a static slice; `starts` the
+    padding below it, ints) or written into zeros by a `dynamic_update_slice`
+    (of a `dynamic_slice`; `starts` its start values, which it clamps so that
+    the window fits); else None."""
+    op = _operation(x.owner)
+    if op is None:
+        return None
+    if op.name == "stablehlo.dynamic_update_slice":
+        if not is_zeros(op.operands[0]):
+            return None
+        return op.operands[1], list(op.operands[2:])
+    if op.name != "stablehlo.pad":
         return None
     low, high, interior = (
-        list(ir.DenseI64ArrayAttr(pad.attributes[k]))
+        list(ir.DenseI64ArrayAttr(op.attributes[k]))
         for k in ("edge_padding_low", "edge_padding_high", "interior_padding")
     )
-    if any(interior) or min(low + high) < 0 or not is_zeros(pad.operands[1]):
+    if any(interior) or min(low + high) < 0 or not is_zeros(op.operands[1]):
         return None
-    return pad.operands[0], low
+    return op.operands[0], low
 
 
-def rotated_pad(rotated: ir.Value, window: ir.Value, start: ir.Value, axis: int, low):
-    """Mark `rotated`, a rotation along `axis` of `window` padded with zeros by
-    `low` below, whose rows start at `start` (int32) along `axis` once rotated,
-    for an accumulation of it to add the window alone (`rotated_window`)."""
-    info = hlo.TupleOp([rotated, window, start])
+def rotated_on_zeros(rotated: ir.Value, window: ir.Value, starts, axis: int) -> None:
+    """Mark `rotated`, a rotation along `axis` of `window` on zeros, whose window
+    starts at `starts` (int32 values) once rotated, its rows along `axis`
+    wrapping, for an accumulation of it to add the window alone
+    (`rotated_window`)."""
+    info = hlo.TupleOp([rotated, window, *starts])
     i64 = ir.IntegerType.get_signless(64)
-    info.operation.attributes[_ROTATED_PAD] = ir.UnitAttr.get()
+    info.operation.attributes[_ROTATED_WINDOW] = ir.UnitAttr.get()
     info.operation.attributes[_ROTATED_AXIS] = ir.IntegerAttr.get(i64, axis)
-    info.operation.attributes[_PADDED_BELOW] = mlir.dense_int_array(list(low))
 
 
 def rotated_window(ctx, args: tuple, nbatch: int):
     """`(ctx, args, ring)` of an unbatched accumulation `(storage, tok, window,
-    *starts)` of a whole buffer whose window is a marked rotation of a zero-padded
-    window (`rotated_pad`) in the block being lowered: the window itself, at its
+    *starts)` of a whole buffer whose window is a marked rotation of a window on
+    zeros (`rotated_on_zeros`) in the block being lowered: the window itself, at its
     rotated start, added as a ring's window along `ring` (wrapping round the end
     of the storage). Else unchanged, and `ring` None.
 
@@ -331,7 +339,7 @@ def rotated_window(ctx, args: tuple, nbatch: int):
         (
             op
             for op in (_operation(u.owner) for u in window.uses)
-            if op is not None and _ROTATED_PAD in op.attributes and op.block == block
+            if op is not None and _ROTATED_WINDOW in op.attributes and op.block == block
         ),
         None,
     )
@@ -343,17 +351,9 @@ def rotated_window(ctx, args: tuple, nbatch: int):
     ):
         return ctx, args, None
     axis = ir.IntegerAttr(info.attributes[_ROTATED_AXIS]).value
-    low = list(ir.DenseI64ArrayAttr(info.attributes[_PADDED_BELOW]))
-    inner, start = info.operands[1], info.operands[2]
-    moved = []
-    for d, (st, by) in enumerate(zip(starts, low, strict=True)):
-        # (The accumulation's own starts are zeros: its window is the buffer.)
-        at = hlo.ConvertOp(st.type, start).result if d == axis else None
-        moved.append(
-            at
-            if at is not None
-            else (hlo.AddOp(st, _index_constant(st, by)).result if by else st)
-        )
+    inner, *at = info.operands[1:]
+    # (The accumulation's own starts are zeros: its window is the whole buffer.)
+    moved = [hlo.ConvertOp(st.type, a).result for st, a in zip(starts, at, strict=True)]
     ctx = ctx.replace(avals_in=[*ctx.avals_in[:2], _aval_of(inner), *ctx.avals_in[3:]])
     return ctx, (storage, tok, inner, *moved), axis
 
@@ -1457,6 +1457,11 @@ _IR_DTYPES = DEFERRABLE_DTYPES + tuple(
     )
     if d is not None
 )
+
+
+def aval_of(v: ir.Value) -> ShapedArray:
+    """The aval of a value (during a lowering): its shape and dtype."""
+    return _aval_of(v)
 
 
 def _aval_of(v: ir.Value) -> ShapedArray:

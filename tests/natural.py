@@ -240,6 +240,14 @@ def _delay_array(ops, b, x, p):
     return b, (b.array[:4] * p["s"]).sum()
 
 
+def _delay_array_row(ops, b, x, p):
+    """A delay line's `insert(0, x)`, then a frame of `buf.array` at a traced
+    index, `[r, :16]` (a dynamic slice of the rotated line)."""
+    k, d = ops.shape(b)
+    b = ops.insert(b, 0, _frame(p, x, d))
+    return b, (b.array[x["c"][0], :16] * p["s"]).sum()
+
+
 def _read_old(ops, b, x, p):
     """An insert, then a window of the buffer from *before* it (the `b` the insert
     was given), read after it in the program: `return b.insert(...), f(b...)`."""
@@ -615,6 +623,15 @@ ROWS = (
         "delay_array",
         "delay line (1024, 32) axis=0, insert(0, x), then .array[:4]",
         _delay_array,
+        (1024, 32),
+        0,
+        1,
+        1024,
+    ),
+    Row(
+        "delay_array_row",
+        "delay line (1024, 32) axis=0, insert(0, x), then .array[r, :16]",
+        _delay_array_row,
         (1024, 32),
         0,
         1,

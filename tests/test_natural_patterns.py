@@ -85,6 +85,8 @@ IN_PLACE = [
     ("array_slice", "grad"),
     ("array_slice", "vmap(grad)"),
     ("delay_array", "vmap(grad)"),
+    ("delay_array_row", "grad"),
+    ("delay_array_row", "jvp(vmap)"),
     # A static slice of `.array` read before an insert that does not use it: the
     # insert waits for the slice's sum (`_xla.user_reads_before`).
     ("array_then_insert", "fwd"),
@@ -178,6 +180,7 @@ def test_no_per_iteration_copies(row, mode):
         "array_slice",
         "array_dslice",
         "delay_array",
+        "delay_array_row",
         "array_then_insert",
         "array_row_first",
         "array_row_sum_first",

@@ -964,12 +964,14 @@ ARRAY_SLICES = [
 ]
 
 
+@pytest.mark.parametrize("traced", [False, True], ids=["static", "traced"])
 @pytest.mark.parametrize("shape, axis, index", ARRAY_SLICES, ids=str)
-def test_a_static_slice_of_a_rings_array_has_plain_autodiff_gradients(
-    shape, axis, index
+def test_a_slice_of_a_rings_array_has_plain_autodiff_gradients(
+    shape, axis, index, traced
 ):
-    """Under `grad`, the cotangent of a static slice of a ring's `.array` is added
-    as the slice's window at its place in the storage, its rows wrapping
+    """Under `grad`, the cotangent of a slice of a ring's `.array` (static, or at
+    traced starts, clamped as `lax.dynamic_slice` clamps them) is added as the
+    slice's window at its place in the storage, its rows wrapping
     (`_xla.rotated_window`), not rotated back whole: the gradients are plain
     autodiff's, for every head."""
     n = shape[axis]
@@ -989,6 +991,13 @@ def test_a_static_slice_of_a_rings_array_has_plain_autodiff_gradients(
                 rest = lax.slice_in_dim(b, 0, n - 1, axis=axis)
                 b = jnp.concatenate([front, rest], axis=axis)
         arr = b.array if lib else b
+        if traced:  # the same window at run-time starts, one past the end
+            window = arr[index]
+            starts = [
+                jnp.int32(0) if sl.start is None else jnp.int32(sl.start) + off
+                for sl, off in zip(_slices(index, arr.ndim), (1, 0, 0), strict=False)
+            ]
+            return (jnp.sin(lax.dynamic_slice(arr, starts, window.shape)) * w).sum()
         return (jnp.sin(arr[index]) * w).sum()
 
     a = jnp.arange(math.prod(shape), dtype=jnp.float32).reshape(shape) / 10
@@ -1001,3 +1010,9 @@ def test_a_static_slice_of_a_rings_array_has_plain_autodiff_gradients(
         )
         for g, w in zip(got, want, strict=True):
             np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6)
+
+
+def _slices(index, ndim: int) -> list:
+    """`index` (a slice or a tuple of them) as one slice per dimension."""
+    index = index if isinstance(index, tuple) else (index,)
+    return list(index) + [slice(None)] * (ndim - len(index))
