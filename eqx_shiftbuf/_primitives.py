@@ -1519,7 +1519,7 @@ def _after_deferred_reads(ctx, args):
     for array in (storage, *arrays):
         waits += user_reads_before(array, module)
         waits += user_slices_materialised(ctx, array, _reduced_read, _can_reduce_read)
-    tok = after_marked_reads(storage, tok, ctx.module_context.module)
+    tok = after_marked_reads(storage, tok, module)
     if not waits:
         return (storage, tok, *rest)
 

@@ -1631,31 +1631,13 @@ def user_reads_before(storage: ir.Value, module) -> list:
     program is not lowered yet, and XLA still copies the buffer for it."""
     block = ir.InsertionPoint.current.block  # pyright: ignore[reportAttributeAccessIssue]
     found: list = []
-
-    def frontier(v: ir.Value, depth: int, reductions: bool = False) -> None:
-        for use in list(v.uses):
-            op = _operation(use.owner)
-            if (
-                op is None
-                or op.block != block
-                or any(m in op.attributes for m in _MARKS)
-            ):
-                continue
-            if op.name in _THROUGH and depth > 0 and len(op.results) == 1:
-                frontier(op.results[0], depth - 1, reductions)
-            elif reductions and op.name != "stablehlo.reduce":
-                continue
-            elif op.name.startswith("stablehlo.") and op.name not in _UNMOVABLE:
-                found.extend(r for r in op.results if _known_dtype(r))
-
     # (Not the operand of a loop that wrote `storage`, a library access: the
     # access waited for the reads of it before it, and its own trip count is
     # one, which an edit waiting for made XLA read that operand again after the
     # loop wrote it in place: a copy per step in the gradient of two whole
-    # reads of a complex ring then a traced insert.)
-    todo = _aliases(storage, module, through_loops=False)
-    while todo:
-        v = todo.pop()
+    # reads of a complex ring then a traced insert. `_whole_views` does not
+    # follow loops.)
+    for v in _whole_views(storage, module, block):
         for use in list(v.uses):
             op = _operation(use.owner)
             if (
@@ -1663,24 +1645,18 @@ def user_reads_before(storage: ir.Value, module) -> list:
                 or op.block != block
                 or use.operand_number != 0
                 or any(m in op.attributes for m in _MARKS)
+                or (op.name == "stablehlo.reshape" and _unit_dims_only(v, op.result))
             ):
-                continue
-            if op.name == "stablehlo.reshape" and _unit_dims_only(v, op.result):
-                # The same array: under `vmap`, a read of each batch element's
-                # whole buffer is the storage with a unit dimension added for
-                # the windows, then dropped (`_primitives._each_element_whole`).
-                # (Not a reshape that flattens it, as the library's own reads
-                # of its first element do, `_primitives._loop_zeros`.)
-                todo.append(op.result)
-            elif op.name in _USER_SLICES:
-                frontier(op.result, 8)
+                continue  # (a reshape of unit dimensions: a view, searched too)
+            if op.name in _USER_SLICES:
+                found += _readers(op.result, block, 8)
             elif op.name in _ELEMENTWISE and len(op.results) == 1:
                 # The whole buffer computed with elementwise, up to a
                 # reduction (`(w * s).sum()` of `w = buf.read()` or `.array`).
                 # Not up to any other operation: the library's own elementwise
                 # uses of a storage (a cotangent's, under `vmap(grad)`) end in
                 # its writes, which an edit waiting for would copy the buffer.
-                frontier(op.result, 8, reductions=True)
+                found += _readers(op.result, block, 8, reductions=True)
             elif op.name == "stablehlo.reduce":
                 found.extend(r for r in op.results if _known_dtype(r))
     return [(v, _aval_of(v)) for v in found]
@@ -1691,7 +1667,7 @@ def user_slices_materialised(
 ) -> list:
     """Materialise the user's plain slices of `storage` (`buf.array[r, :16]`, a
     `lax.dynamic_slice` of `.array`) in the block being lowered that nothing uses
-    yet (but elementwise operations, `_read_by`); return the `(bits, type)` an
+    yet (but elementwise operations: `_readers`); return the `(bits, type)` an
     edit of `storage` must wait for.
 
     Such a slice is used only after the edit being lowered: `w =
@@ -1719,7 +1695,7 @@ def user_slices_materialised(
                 # (A slice read already, its readers waited for: materialised,
                 # a static slice then its sum took a kernel more a step, and
                 # the gradient of `array_then_insert` 1.3-1.5x as long.)
-                or _read_by(op.result, block, 8)
+                or _readers(op.result, block, 8)
             ):
                 continue
             aval, sizes = _aval_of(v), tuple(_aval_of(op.result).shape)
@@ -1846,10 +1822,12 @@ def _gathered_behind_barrier(gather: ir.Operation) -> tuple:
 
 
 def _whole_views(storage: ir.Value, module, block) -> list:
-    """`storage`, the values it was passed on from (`_aliases`), and, in `block`,
-    their reshapes that add or drop unit dimensions only: under `vmap`, `.array`
-    of each batch element's buffer is the storage with a unit dimension added,
-    then dropped (`_primitives._each_element_whole`)."""
+    """`storage`, the values it was passed on from (`_aliases`, not through
+    loops), and, in `block`, their reshapes that add or drop unit dimensions only:
+    the same array. Under `vmap`, a read of each batch element's whole buffer is
+    the storage with a unit dimension added for the windows, then dropped
+    (`_primitives._each_element_whole`). (Not a reshape that flattens it, as the
+    library's own reads of its first element do, `_primitives._loop_zeros`.)"""
     out, todo = [], _aliases(storage, module, through_loops=False)
     while todo:
         v = todo.pop()
@@ -1867,19 +1845,22 @@ def _whole_views(storage: ir.Value, module, block) -> list:
     return out
 
 
-def _read_by(v: ir.Value, block, depth: int) -> bool:
-    """Whether `v` has a user in `block` past the operations `user_reads_before`
-    follows (`_THROUGH`, up to `depth` of them): one an edit can wait for."""
+def _readers(v: ir.Value, block, depth: int, reductions: bool = False) -> list:
+    """The results an edit can wait for of the operations in `block` that read
+    `v`, past the operations that pass it on (`_THROUGH`, up to `depth` of them);
+    with `reductions`, of reductions only."""
+    found = []
     for use in list(v.uses):
         op = _operation(use.owner)
         if op is None or op.block != block or any(m in op.attributes for m in _MARKS):
             continue
         if op.name in _THROUGH and depth > 0 and len(op.results) == 1:
-            if _read_by(op.results[0], block, depth - 1):
-                return True
+            found += _readers(op.results[0], block, depth - 1, reductions)
+        elif reductions and op.name != "stablehlo.reduce":
+            continue
         elif op.name.startswith("stablehlo.") and op.name not in _UNMOVABLE:
-            return True
-    return False
+            found.extend(r for r in op.results if _known_dtype(r))
+    return found
 
 
 def _unit_dims_only(a: ir.Value, b: ir.Value) -> bool:
