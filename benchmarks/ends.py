@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 from pathlib import Path
 
 import jax
@@ -36,6 +35,8 @@ from jax import lax
 
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from experiments._timing import best_ms  # noqa: E402
 
 import eqx_shiftbuf as esb  # noqa: E402
 
@@ -158,17 +159,6 @@ def _program(loss, mode):
     return jax.jit(jax.grad(loss, argnums=(0, 1)))
 
 
-def _time(fn, args, repeat):
-    """Best of `repeat` calls, in seconds."""
-    jax.block_until_ready(fn(*args))
-    best = float("inf")
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        best = min(best, time.perf_counter() - t0)
-    return best
-
-
 def check_equal(body, cap, steps=50):
     """The three versions give the same loss and gradient (to float tolerance)."""
     args = _args(cap, steps)
@@ -206,7 +196,7 @@ def main(argv=None):
                 a = _args(cap, args.steps)
                 for v in VERSIONS:
                     fn = _program(BODIES[body][v], mode)
-                    times[v].append(_time(fn, a, args.repeat) / args.steps * 1e6)
+                    times[v].append(best_ms(fn, a, args.repeat) / args.steps * 1e3)
                 row = " ".join(f"{times[v][-1]:9.2f}" for v in VERSIONS)
                 print(
                     f"{cap:>6} {row}  {times['esb'][-1] / times['pointer'][-1]:11.2f}"

@@ -40,6 +40,16 @@ def _program(row, mode, ops):
     return jit(fn), natural.args_for(r, mode, STEPS)
 
 
+def _assert_matches_plain_lax(row: str, mode: str) -> None:
+    """The row's program under `mode` returns plain `lax`'s values (and
+    derivatives)."""
+    fn, args = _program(row, mode, natural.ESB)
+    ref, ref_args = _program(row, mode, natural.PLAIN)
+    got, want = fn(*args), ref(*ref_args)
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        np.testing.assert_allclose(g, w, rtol=2e-5, atol=1e-5)
+
+
 # (row, mode) pairs with 0 per-step copies. A row that copies as plain `lax` does (a
 # `lax.cond` on the carry) is not here: see the README's known limits, and its
 # alternative `select_stack`.
@@ -202,11 +212,7 @@ def test_no_per_iteration_copies(row, mode):
 )
 def test_values_and_gradients_match_plain_lax(row):
     for mode in ("fwd", "grad"):
-        fn, args = _program(row, mode, natural.ESB)
-        ref, ref_args = _program(row, mode, natural.PLAIN)
-        got, want = fn(*args), ref(*ref_args)
-        for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
-            np.testing.assert_allclose(g, w, rtol=2e-5, atol=1e-5)
+        _assert_matches_plain_lax(row, mode)
 
 
 @pytest.mark.parametrize(
@@ -226,11 +232,7 @@ def test_a_slice_of_array_read_before_an_insert_has_plain_lax_values_under_vmap(
     after it gathers again behind a barrier and rewires
     (`_xla.user_slices_materialised`): the values and derivatives are plain
     `lax`'s."""
-    fn, args = _program(row, mode, natural.ESB)
-    ref, ref_args = _program(row, mode, natural.PLAIN)
-    got, want = fn(*args), ref(*ref_args)
-    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
-        np.testing.assert_allclose(g, w, rtol=2e-5, atol=1e-5)
+    _assert_matches_plain_lax(row, mode)
 
 
 @pytest.mark.parametrize(

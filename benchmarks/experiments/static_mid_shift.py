@@ -33,7 +33,6 @@ for copies.
 """
 
 import sys
-import time
 from pathlib import Path
 
 
@@ -42,6 +41,7 @@ sys.path.insert(0, str(Path(__file__).parents[2]))
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
+from _timing import best_ms  # noqa: E402
 from jax import lax  # noqa: E402
 
 import eqx_shiftbuf as esb  # noqa: E402
@@ -138,13 +138,9 @@ def main():
             out = jax.block_until_ready(g(*args))
             want = out if want is None else want
             np.testing.assert_allclose(out, want, rtol=1e-5)
-            best = float("inf")
-            for _ in range(30):
-                t0 = time.perf_counter()
-                jax.block_until_ready(g(*args))
-                best = min(best, time.perf_counter() - t0)
+            ms = best_ms(g, args, 30)
             copies = len(esb.find_loop_copies(f, *args, min_bytes=n * 2))
-            print(f"N={n:7d} {name:10s} {best * 1e3:8.3f} ms  copies {copies}")
+            print(f"N={n:7d} {name:10s} {ms:8.3f} ms  copies {copies}")
 
 
 if __name__ == "__main__":
