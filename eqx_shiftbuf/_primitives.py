@@ -517,9 +517,11 @@ def _accum_impl(
         # The whole buffer (the transpose of a whole-buffer read): see
         # `added_in_halves` for why it is not a plain add. `scalars` says whether
         # the window is computed from scalars (`computed_from_scalars`), which the
-        # halves take fused; a window written out anyway (a ring's rotated
-        # cotangent, a gather) is added faster in a single-trip loop: `delay_whole`
-        # 0.73-0.75x plain `lax` in the gradient that way, 0.83-0.95x in halves.
+        # halves take fused; a window written out anyway (a gather: the rotated
+        # cotangent of a batch of rings, each with its own head; an unbatched
+        # one is scatter-added, `_rotate_lowering`) is added faster in a
+        # single-trip loop: `delay_whole` 0.73-0.75x plain `lax` in the gradient
+        # that way, 0.83-0.95x in halves, on an earlier machine.
         w = window[0].astype(storage.dtype)
         if scalars and max(storage.shape, default=0) >= 2:
             return added_in_halves(storage, w, _index_zero(tok)), tok_in
@@ -1981,12 +1983,19 @@ def _rotate_lowering(ctx, x, shift, *, axis, contents=False, ordered=False):
     on_zeros = (
         None
         if contents or batched or moved_as_bits(x_aval.dtype)
-        else window_on_zeros(x)
+        else (window_on_zeros(x) or (x, [0] * x_aval.ndim))
     )
     if on_zeros is not None:
-        # A window on zeros rotated (a slice's cotangent rotated back): marked
-        # for the accumulation of the result to add the window alone
-        # (`rotated_window`), at its rotated start.
+        # A cotangent rotated back (the transpose of a ring's contents read): marked
+        # for the accumulation of the result to add it unrotated, at its rotated
+        # start, its rows wrapping (`_xla.rotated_window`): a scatter-add in place.
+        # A window on zeros (a slice's cotangent) is added alone. The whole line
+        # (a delay line read whole) was gathered into a new array, then added to
+        # the buffer's cotangent in a single-trip loop: the backward pass 1.2-1.3x
+        # plain `lax`'s shift and add (`delay_whole`, `delay_read_first`), 0.75x
+        # as a scatter-add. Added in place without the loop (fused with the
+        # gather), XLA fused the add into the next edit's read too and copied
+        # the batch of cotangents every step under `vmap(grad)`.
         window, at = on_zeros
         dynamic = [a for a in at if not isinstance(a, int)]
         w_shape = ir.RankedTensorType(window.type).shape

@@ -332,7 +332,8 @@ def rotated_window(ctx, args: tuple, nbatch: int):
     padded with zeros to the whole line, rotated back (a gather of the whole line)
     and added to the buffer's cotangent: O(line) a step against a forward of four
     frames (`benchmarks/patterns.py`'s `delay_array`: gradient over forward
-    33)."""
+    33). The whole line rotated back (its window the whole rotation, at 0) is
+    scatter-added the same way, in place, instead of gathered and added."""
     storage, tok, window, *starts = args
     block = ir.InsertionPoint.current.block  # pyright: ignore[reportAttributeAccessIssue]
     info = next(
@@ -352,10 +353,33 @@ def rotated_window(ctx, args: tuple, nbatch: int):
         return ctx, args, None
     axis = ir.IntegerAttr(info.attributes[_ROTATED_AXIS]).value
     inner, *at = info.operands[1:]
+    if _aval_of(inner).shape == _aval_of(storage).shape and _zeros_whole(storage):
+        # The whole line onto zeros (a whole overwrite's transpose zeroed the
+        # rest): the rotation itself, which XLA simplifies `zeros +` away from.
+        # Scattered into zeros, the result was a constant's buffer written, which
+        # XLA copied into the loop's carry every step (`test_vmap.py`'s whole
+        # read then overwrite of a batch of rings).
+        return ctx, args, None
     # (The accumulation's own starts are zeros: its window is the whole buffer.)
     moved = [hlo.ConvertOp(st.type, a).result for st, a in zip(starts, at, strict=True)]
     ctx = ctx.replace(avals_in=[*ctx.avals_in[:2], _aval_of(inner), *ctx.avals_in[3:]])
     return ctx, (storage, tok, inner, *moved), axis
+
+
+def _zeros_whole(x: ir.Value) -> bool:
+    """Whether `x` (during a lowering) is zeros (`is_zeros`), or zeros written
+    over all of it (the transpose of an overwrite of a whole buffer)."""
+    op = _operation(x.owner)
+    if op is not None and op.name == "stablehlo.dynamic_update_slice":
+        update = op.operands[1]
+        if _aval_of(update).shape != _aval_of(x).shape:
+            return False
+        while (u := _operation(update.owner)) is not None and u.name == (
+            "stablehlo.reshape"
+        ):
+            update = u.operands[0]  # (batched: through the batch's unit dimension)
+        return is_zeros(update)
+    return is_zeros(x)
 
 
 def unpadded_window(ctx, args: tuple, nbatch: int) -> tuple:

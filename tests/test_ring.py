@@ -1016,3 +1016,75 @@ def _slices(index, ndim: int) -> list:
     """`index` (a slice or a tuple of them) as one slice per dimension."""
     index = index if isinstance(index, tuple) else (index,)
     return list(index) + [slice(None)] * (ndim - len(index))
+
+
+@pytest.mark.parametrize("how", ["array", "read", "dynamic_slice"])
+@pytest.mark.parametrize("shape, axis", [((8, 3), 0), ((1, 9), 1), ((9,), 0)], ids=str)
+def test_a_rings_whole_line_has_plain_autodiff_gradients(shape, axis, how):
+    """Under `grad`, the cotangent of a ring's whole line read (weighted along the
+    line, so that the rotation matters) is added to the storage's at its place,
+    its rows wrapping (a scatter-add, `_xla.rotated_window`): the gradients are
+    plain autodiff's, for every head."""
+    n = shape[axis]
+    lead = (0,) * axis
+    weights = jnp.cos(jnp.arange(math.prod(shape), dtype=jnp.float32)).reshape(shape)
+
+    def loss(w, a, pushes, lib):
+        v = jnp.tanh(
+            w * jnp.arange(math.prod(shape[axis + 1 :]) or 1, dtype=jnp.float32)
+        ).reshape(shape[axis + 1 :])
+        b = esb.ShiftBuffer(a, axis=axis) if lib else a
+        for k in range(pushes):  # moves the ring's head: `insert(0, .)`
+            if lib:
+                b = b.insert(lead + (0,), v * (k + 1))
+            else:
+                front = jnp.expand_dims(v * (k + 1), tuple(range(axis + 1)))
+                rest = lax.slice_in_dim(b, 0, n - 1, axis=axis)
+                b = jnp.concatenate([front, rest], axis=axis)
+        if not lib:
+            whole = b
+        elif how == "array":
+            whole = b.array
+        elif how == "read":
+            b, whole = b.read()
+        else:
+            whole = b.dynamic_slice((0,) * len(shape), shape)
+        return (jnp.sin(whole) * weights * w).sum()
+
+    a = jnp.arange(math.prod(shape), dtype=jnp.float32).reshape(shape) / 10
+    grad = jax.jit(jax.grad(loss, argnums=(0, 1)), static_argnums=(2, 3))
+    for pushes in range(n + 1):
+        got = grad(jnp.float32(0.7), a, pushes, True)
+        want = grad(jnp.float32(0.7), a, pushes, False)
+        for g, w in zip(got, want, strict=True):
+            np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("mode", ["grad", "vmap(grad)"])
+def test_a_delay_line_read_whole_is_not_gathered_back_under_grad(mode):
+    # The cotangent of the rotated line was rotated back, a gather of the whole
+    # line written out every step, then added in a loop of one trip: the backward
+    # pass 1.2-1.3x plain `lax`'s shift and add (`delay_whole`).
+    def loss(s, a, xs):
+        def step(b, x):
+            b = b.insert(0, jnp.tanh(s * x + jnp.arange(8.0)))
+            b, whole = b.read()
+            return b, (whole * jnp.cos(jnp.arange(64.0))[:, None] * s).sum()
+
+        _, ys = lax.scan(step, esb.ShiftBuffer.from_array(a, axis=0), xs)
+        return ys.sum()
+
+    a = jnp.zeros((64, 8))
+    grad = jax.grad(loss, argnums=(0, 1))
+    xs = jnp.linspace(-1, 1, 12)
+    args = (jnp.float32(0.5), a, xs)
+    if mode == "vmap(grad)":
+        grad = jax.vmap(grad, in_axes=(None, None, 0))
+        args = (args[0], a, jnp.stack([xs, -xs]))
+    back = [
+        line
+        for line in loop_instructions(grad, *args)
+        if " gather(" in line and "transpose(" in line  # the backward pass's
+    ]
+    assert [g for g in back if "[64,8]" in g or "[64,1,8]" in g] == [], back
+    assert esb.find_loop_copies(grad, *args, min_bytes=a.nbytes // 2) == []

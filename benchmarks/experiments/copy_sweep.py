@@ -118,6 +118,7 @@ shape, 1-2 forward and 2-4 under jvp (README, known limits).
 
 import argparse
 import functools
+import math
 import sys
 from pathlib import Path
 
@@ -248,6 +249,15 @@ def bodies(shape, axis, dtype):
     B["arrds_ins"] = lambda b, i, j, v: (
         lambda w: (b.insert(lead() + (j,), val(v)), (f32(w) * v).sum())
     )(lax.dynamic_slice(b.array, [jnp.asarray(k, jnp.int32) for k in st(i)], wsz))
+    # The whole contents read (a delay line's window), weighted along the line so
+    # that a ring's rotation matters in the gradient, after or before an insert.
+    weights = jnp.cos(jnp.arange(math.prod(shape), dtype=jnp.float32)).reshape(shape)
+    B["ins_all"] = lambda b, i, j, v: (
+        lambda r: (r[0], (f32(r[1]) * weights * v).sum())
+    )(b.insert(lead() + (i,), val(v)).read())
+    B["all_ins"] = lambda b, i, j, v: (
+        lambda r: (r[0].insert(lead() + (j,), val(v)), (f32(r[1]) * weights * v).sum())
+    )(b.read())
     jit_insert = jax.jit(lambda b, j, x: b.insert(lead() + (j,), x))
     B["read_jit"] = lambda b, i, j, v: (
         lambda r: (jit_insert(r[0], j, val(v)), (f32(r[1]) * v).sum())
