@@ -250,13 +250,16 @@ def bodies(shape, axis, dtype):
         lambda w: (b.insert(lead() + (j,), val(v)), (f32(w) * v).sum())
     )(lax.dynamic_slice(b.array, [jnp.asarray(k, jnp.int32) for k in st(i)], wsz))
     # The whole contents read (a delay line's window), weighted along the line so
-    # that a ring's rotation matters in the gradient, after or before an insert.
+    # that a ring's rotation matters in the gradient, after or before an insert
+    # (its sum taken before the insert: used after it, the old contents must
+    # outlive the in-place edit, a copy in plain `lax` too).
     weights = jnp.cos(jnp.arange(math.prod(shape), dtype=jnp.float32)).reshape(shape)
-    B["ins_all"] = lambda b, i, j, v: (
-        lambda r: (r[0], (f32(r[1]) * weights * v).sum())
-    )(b.insert(lead() + (i,), val(v)).read())
+    wsum = lambda w, v: (f32(w) * weights * v).sum()
+    B["ins_all"] = lambda b, i, j, v: (lambda r: (r[0], wsum(r[1], v)))(
+        b.insert(lead() + (i,), val(v)).read()
+    )
     B["all_ins"] = lambda b, i, j, v: (
-        lambda r: (r[0].insert(lead() + (j,), val(v)), (f32(r[1]) * weights * v).sum())
+        lambda r: (lambda y: (r[0].insert(lead() + (j,), val(v)), y))(wsum(r[1], v))
     )(b.read())
     jit_insert = jax.jit(lambda b, j, x: b.insert(lead() + (j,), x))
     B["read_jit"] = lambda b, i, j, v: (
