@@ -11,6 +11,7 @@ corpus's (`corpus.make_loss`). `tests/test_natural_patterns.py` checks them;
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable
 
 import jax
@@ -118,6 +119,18 @@ def _delay_read_first(ops, b, x, p):
     b, w = ops.read(b, (0, 0), (k, d))
     b = ops.insert(b, 0, _frame(p, x, d))
     return b, (w * p["s"]).sum()
+
+
+def _delay_fir(ops, b, x, p):
+    """A delay line read whole and weighted along the line (an FIR filter): unlike
+    `_delay_whole`'s scalar weight, the window's cotangent differs from frame to
+    frame, so that a ring's rotation matters in the gradient."""
+    shape = ops.shape(b)
+    frame = _frame(p, x, math.prod(shape[1:])).reshape(shape[1:])
+    b = ops.insert(b, 0, frame)
+    b, w = ops.read(b, (0,) * len(shape), shape)
+    taps = jnp.cos(0.01 * jnp.arange(math.prod(shape), dtype=jnp.float32))
+    return b, (w * taps.reshape(shape) * p["s"]).sum()
 
 
 TAPS = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512)  # 11 dilated taps
@@ -443,6 +456,26 @@ ROWS = (
         0,
         1,
         1024,
+    ),
+    Row(
+        "delay_fir",
+        "delay line (1024, 32) axis=0, insert(0, x), the whole window weighted "
+        "along the line (an FIR filter)",
+        _delay_fir,
+        (1024, 32),
+        0,
+        1,
+        1024,
+    ),
+    Row(
+        "delay_1d",
+        "1-D delay line (4096,) (audio samples), insert(0, x), the whole window "
+        "weighted along the line",
+        _delay_fir,
+        (4096,),
+        0,
+        1,
+        4096,
     ),
     Row(
         "delay_taps",

@@ -133,6 +133,12 @@ IN_PLACE = [
     # pop at either end moves one element.
     ("delay_whole", "fwd"),
     ("delay_whole", "grad"),
+    # Its cotangent, weighted along the line, is scatter-added unrotated into
+    # the storage's (`_xla.rotated_window`): a gather rotated it back before.
+    ("delay_fir", "grad"),
+    ("delay_fir", "vmap(grad)"),
+    ("delay_1d", "grad"),
+    ("delay_1d", "jvp"),
     ("delay_taps", "grad"),
     ("delay_taps", "vmap(grad)"),
     # Two steps a loop trip: the step is one function JAX calls twice, whose taps
@@ -198,6 +204,8 @@ def test_no_per_iteration_copies(row, mode):
         "array_block_first",
         "ring_array_first",
         "delay_whole",
+        "delay_fir",
+        "delay_1d",
         "delay_taps",
         "ring_taps",
         "front_stack",
