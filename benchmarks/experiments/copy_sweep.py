@@ -58,6 +58,13 @@ for plain arrays there (an insert then a pop on a (4096,) line: 1 and 2 under
 grad,"vmap(grad)","grad(vmap)"` (13 shapes): 0 everywhere, after the windows of
 one buffer at batched starts got zeros of their own under grad(vmap)
 (`_primitives._read_transpose`; `ds` copied 2 a step there before).
+2026-12-07, later: the default sweep with the bodies `ins_all` and `all_ins` (13
+shapes x 24 bodies x 7 modes): 0 on every row but `arr_jit` (README, known
+limits) and `all_ins` under grad, vmap(grad) and grad(vmap) (1 a step on one
+line, 2 on several; `whole_read_first`: JAX saves the window, the whole buffer,
+as a residual, stacked after the step's insert). `ins_all` and `all_ins` with
+`--styles traced32,pyint` on `flat,ring,line,col,lead,short,stack,two,mid3`,
+and under `--kind esb` on `flat,ring,two`: the same.
 2026-12-06, after batched shifts of short lines became one gather and one scatter
 (`_each_element`) and batched window writes one scatter (`_scattered`): `--modes
 vmap,"vmap(grad)","jvp(vmap)","grad(vmap)"` on the default sweep (13 shapes x 14
