@@ -278,9 +278,10 @@ def is_zeros(value: ir.Value) -> bool:
 
 
 # A rotation of a window on zeros (JAX's transpose of a slice of a ring's
-# `.array`, rotated back: `_primitives._rotate_transpose`), marked by an unused
-# tuple of the rotation's result, the window and its start along each dimension
-# once rotated (`rotated_on_zeros`).
+# `.array`, rotated back: `_primitives._rotate_transpose`), or of a whole line (the
+# transpose of the contents read whole, its window the line at 0), marked by an
+# unused tuple of the rotation's result, the window and its start along each
+# dimension once rotated (`rotated_on_zeros`).
 _ROTATED_WINDOW = "esb.rotated_window"
 _ROTATED_AXIS = "esb.rotated_axis"
 
