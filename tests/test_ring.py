@@ -974,22 +974,9 @@ def test_a_slice_of_a_rings_array_has_plain_autodiff_gradients(
     slice's window at its place in the storage, its rows wrapping
     (`_xla.rotated_window`), not rotated back whole: the gradients are plain
     autodiff's, for every head."""
-    n = shape[axis]
-    lead = (0,) * axis
 
     def loss(w, a, pushes, lib):
-        v = jnp.tanh(
-            w * jnp.arange(math.prod(shape[axis + 1 :]) or 1, dtype=jnp.float32)
-        )
-        v = v.reshape(shape[axis + 1 :])
-        b = esb.ShiftBuffer(a, axis=axis) if lib else a
-        for k in range(pushes):  # moves the ring's head: `insert(0, .)`
-            if lib:
-                b = b.insert(lead + (0,), v * (k + 1))
-            else:
-                front = jnp.expand_dims(v * (k + 1), tuple(range(axis + 1)))
-                rest = lax.slice_in_dim(b, 0, n - 1, axis=axis)
-                b = jnp.concatenate([front, rest], axis=axis)
+        b = _pushed(w, a, axis, pushes, lib)
         arr = b.array if lib else b
         if traced:  # the same window at run-time starts, one past the end
             window = arr[index]
@@ -1000,14 +987,35 @@ def test_a_slice_of_a_rings_array_has_plain_autodiff_gradients(
             return (jnp.sin(lax.dynamic_slice(arr, starts, window.shape)) * w).sum()
         return (jnp.sin(arr[index]) * w).sum()
 
+    _assert_plain_autodiff_at_every_head(loss, shape, axis)
+
+
+def _pushed(w, a, axis: int, pushes: int, lib: bool):
+    """`a` (a ring's `ShiftBuffer` if `lib`, else the plain array) after `pushes`
+    inserts at the front of its line, each moving the ring's head."""
+    shape = a.shape
+    v = jnp.tanh(w * jnp.arange(math.prod(shape[axis + 1 :]) or 1, dtype=jnp.float32))
+    v = v.reshape(shape[axis + 1 :])
+    b = esb.ShiftBuffer(a, axis=axis) if lib else a
+    for k in range(pushes):
+        if lib:
+            b = b.insert((0,) * (axis + 1), v * (k + 1))
+        else:
+            front = jnp.expand_dims(v * (k + 1), tuple(range(axis + 1)))
+            rest = lax.slice_in_dim(b, 0, shape[axis] - 1, axis=axis)
+            b = jnp.concatenate([front, rest], axis=axis)
+    return b
+
+
+def _assert_plain_autodiff_at_every_head(loss, shape, axis: int) -> None:
+    """`loss(w, a, pushes, lib)`'s gradients with respect to `w` and `a` are the
+    same for the library (`lib`) as for plain `lax`, after 0 to `shape[axis]`
+    pushes: every head of the ring."""
     a = jnp.arange(math.prod(shape), dtype=jnp.float32).reshape(shape) / 10
-    for pushes in range(n + 1):
-        got = jax.jit(jax.grad(loss, argnums=(0, 1)), static_argnums=(2, 3))(
-            jnp.float32(0.7), a, pushes, True
-        )
-        want = jax.jit(jax.grad(loss, argnums=(0, 1)), static_argnums=(2, 3))(
-            jnp.float32(0.7), a, pushes, False
-        )
+    grad = jax.jit(jax.grad(loss, argnums=(0, 1)), static_argnums=(2, 3))
+    for pushes in range(shape[axis] + 1):
+        got = grad(jnp.float32(0.7), a, pushes, True)
+        want = grad(jnp.float32(0.7), a, pushes, False)
         for g, w in zip(got, want, strict=True):
             np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6)
 
@@ -1025,22 +1033,10 @@ def test_a_rings_whole_line_has_plain_autodiff_gradients(shape, axis, how):
     line, so that the rotation matters) is added to the storage's at its place,
     its rows wrapping (a scatter-add, `_xla.rotated_window`): the gradients are
     plain autodiff's, for every head."""
-    n = shape[axis]
-    lead = (0,) * axis
     weights = jnp.cos(jnp.arange(math.prod(shape), dtype=jnp.float32)).reshape(shape)
 
     def loss(w, a, pushes, lib):
-        v = jnp.tanh(
-            w * jnp.arange(math.prod(shape[axis + 1 :]) or 1, dtype=jnp.float32)
-        ).reshape(shape[axis + 1 :])
-        b = esb.ShiftBuffer(a, axis=axis) if lib else a
-        for k in range(pushes):  # moves the ring's head: `insert(0, .)`
-            if lib:
-                b = b.insert(lead + (0,), v * (k + 1))
-            else:
-                front = jnp.expand_dims(v * (k + 1), tuple(range(axis + 1)))
-                rest = lax.slice_in_dim(b, 0, n - 1, axis=axis)
-                b = jnp.concatenate([front, rest], axis=axis)
+        b = _pushed(w, a, axis, pushes, lib)
         if not lib:
             whole = b
         elif how == "array":
@@ -1051,13 +1047,7 @@ def test_a_rings_whole_line_has_plain_autodiff_gradients(shape, axis, how):
             whole = b.dynamic_slice((0,) * len(shape), shape)
         return (jnp.sin(whole) * weights * w).sum()
 
-    a = jnp.arange(math.prod(shape), dtype=jnp.float32).reshape(shape) / 10
-    grad = jax.jit(jax.grad(loss, argnums=(0, 1)), static_argnums=(2, 3))
-    for pushes in range(n + 1):
-        got = grad(jnp.float32(0.7), a, pushes, True)
-        want = grad(jnp.float32(0.7), a, pushes, False)
-        for g, w in zip(got, want, strict=True):
-            np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6)
+    _assert_plain_autodiff_at_every_head(loss, shape, axis)
 
 
 @pytest.mark.parametrize("mode", ["grad", "vmap(grad)"])
