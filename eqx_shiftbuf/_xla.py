@@ -1662,28 +1662,20 @@ def user_reads_before(storage: ir.Value, module) -> list:
     # loop wrote it in place: a copy per step in the gradient of two whole
     # reads of a complex ring then a traced insert. `_whole_views` does not
     # follow loops.)
-    for v in _whole_views(storage, module, block):
-        for use in list(v.uses):
-            op = _operation(use.owner)
-            if (
-                op is None
-                or op.block != block
-                or use.operand_number != 0
-                or any(m in op.attributes for m in _MARKS)
-                or (op.name == "stablehlo.reshape" and _unit_dims_only(v, op.result))
-            ):
-                continue  # (a reshape of unit dimensions: a view, searched too)
-            if op.name in _USER_SLICES:
-                found += _readers(op.result, block, 8)
-            elif op.name in _ELEMENTWISE and len(op.results) == 1:
-                # The whole buffer computed with elementwise, up to a
-                # reduction (`(w * s).sum()` of `w = buf.read()` or `.array`).
-                # Not up to any other operation: the library's own elementwise
-                # uses of a storage (a cotangent's, under `vmap(grad)`) end in
-                # its writes, which an edit waiting for would copy the buffer.
-                found += _readers(op.result, block, 8, reductions=True)
-            elif op.name == "stablehlo.reduce":
-                found.extend(r for r in op.results if _known_dtype(r))
+    for v, op in _user_uses(storage, module, block):
+        if op.name == "stablehlo.reshape" and _unit_dims_only(v, op.result):
+            continue  # (a reshape of unit dimensions: a view, searched too)
+        if op.name in _USER_SLICES:
+            found += _readers(op.result, block, 8)
+        elif op.name in _ELEMENTWISE and len(op.results) == 1:
+            # The whole buffer computed with elementwise, up to a
+            # reduction (`(w * s).sum()` of `w = buf.read()` or `.array`).
+            # Not up to any other operation: the library's own elementwise
+            # uses of a storage (a cotangent's, under `vmap(grad)`) end in
+            # its writes, which an edit waiting for would copy the buffer.
+            found += _readers(op.result, block, 8, reductions=True)
+        elif op.name == "stablehlo.reduce":
+            found.extend(r for r in op.results if _known_dtype(r))
     return [(v, _aval_of(v)) for v in found]
 
 
@@ -1708,34 +1700,46 @@ def user_slices_materialised(
     a complex dtype); the others are left as they are."""
     block = ir.InsertionPoint.current.block  # pyright: ignore[reportAttributeAccessIssue]
     waits = []
-    for v in _whole_views(storage, ctx.module_context.module, block):
+    for v, op in _user_uses(storage, ctx.module_context.module, block):
+        if (
+            op.name not in _USER_SLICES
+            # (A slice read already, its readers waited for: materialised, a
+            # static slice then its sum took a kernel more a step, and the
+            # gradient of `array_then_insert` 1.3-1.5x as long.)
+            or _readers(op.result, block, 8)
+        ):
+            continue
+        aval, sizes = _aval_of(v), tuple(_aval_of(op.result).shape)
+        layout = _gather_layout(op) if op.name == "stablehlo.gather" else None
+        if layout == "batched":
+            waits.append(_gathered_behind_barrier(op))
+            continue
+        if (op.name == "stablehlo.gather" and layout is None) or not can_reduce(
+            aval, sizes
+        ):
+            continue
+        read = _read_as_window(ctx, op, v, reduced, sizes)
+        if read is not None:
+            waits.append(read)
+    return waits
+
+
+def _user_uses(storage: ir.Value, module, block) -> list:
+    """`(view, operation)` for each operation in `block` that takes a view of
+    `storage` (`_whole_views`) as its first operand and is not one of the
+    library's marks: the user's reads of the storage there."""
+    found = []
+    for v in _whole_views(storage, module, block):
         for use in list(v.uses):
             op = _operation(use.owner)
             if (
-                op is None
-                or op.block != block
-                or use.operand_number != 0
-                or op.name not in _USER_SLICES
-                or any(m in op.attributes for m in _MARKS)
-                # (A slice read already, its readers waited for: materialised,
-                # a static slice then its sum took a kernel more a step, and
-                # the gradient of `array_then_insert` 1.3-1.5x as long.)
-                or _readers(op.result, block, 8)
+                op is not None
+                and op.block == block
+                and use.operand_number == 0
+                and not any(m in op.attributes for m in _MARKS)
             ):
-                continue
-            aval, sizes = _aval_of(v), tuple(_aval_of(op.result).shape)
-            layout = _gather_layout(op) if op.name == "stablehlo.gather" else None
-            if layout == "batched":
-                waits.append(_gathered_behind_barrier(op))
-                continue
-            if (op.name == "stablehlo.gather" and layout is None) or not can_reduce(
-                aval, sizes
-            ):
-                continue
-            read = _read_as_window(ctx, op, v, reduced, sizes)
-            if read is not None:
-                waits.append(read)
-    return waits
+                found.append((v, op))
+    return found
 
 
 def _window_starts(op: ir.Operation, rank: int):
