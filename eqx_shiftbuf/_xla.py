@@ -299,6 +299,14 @@ def window_on_zeros(x: ir.Value):
         if not is_zeros(op.operands[0]):
             return None
         return op.operands[1], list(op.operands[2:])
+    padding = _zero_padding(op)
+    return None if padding is None else (op.operands[0], padding[0])
+
+
+def _zero_padding(op: ir.Operation) -> tuple | None:
+    """`(low, high)`, the padding below and above along each dimension, if `op`
+    pads its operand with zeros at its edges only (no interior or negative
+    padding: JAX's transpose of a static slice); else None."""
     if op.name != "stablehlo.pad":
         return None
     low, high, interior = (
@@ -307,7 +315,7 @@ def window_on_zeros(x: ir.Value):
     )
     if any(interior) or min(low + high) < 0 or not is_zeros(op.operands[1]):
         return None
-    return op.operands[0], low
+    return low, high
 
 
 def rotated_on_zeros(rotated: ir.Value, window: ir.Value, starts, axis: int) -> None:
@@ -398,19 +406,10 @@ def unpadded_window(ctx, args: tuple, nbatch: int) -> tuple:
     pad = _operation(window.owner)
     if pad is not None and pad.name == "stablehlo.dynamic_update_slice" and starts:
         return _window_of_update(ctx, args, pad, nbatch)
-    if pad is None or pad.name != "stablehlo.pad" or not starts:
+    if pad is None or not starts or (padding := _zero_padding(pad)) is None:
         return ctx, args
-    low, high, interior = (
-        list(ir.DenseI64ArrayAttr(pad.attributes[k]))
-        for k in ("edge_padding_low", "edge_padding_high", "interior_padding")
-    )
-    if (
-        len(low) != nbatch + len(starts)
-        or any(interior)
-        or min(low + high) < 0
-        or any(low[:nbatch] + high[:nbatch])
-        or not is_zeros(pad.operands[1])
-    ):
+    low, high = padding
+    if len(low) != nbatch + len(starts) or any(low[:nbatch] + high[:nbatch]):
         return ctx, args
     moved = [
         hlo.AddOp(start, _index_constant(start, by)).result if by else start
