@@ -153,10 +153,10 @@ from jax.interpreters import ad, batching, mlir
 
 from ._xla import (
     added_in_halves,
+    added_in_halves_fused,
     after_marked_reads,
     aval_of,
     carrier,
-    computed_from_scalars,
     DEFERRABLE_DTYPES,
     deferred_loop_read,
     deferred_read,
@@ -164,6 +164,7 @@ from ._xla import (
     deferred_token,
     edits_of,
     explicit_sharding,
+    finished_later,
     fold_cotangent_sum,
     from_carrier,
     in_branch,
@@ -516,8 +517,8 @@ def _accum_impl(
     if size == 1 and tuple(window.shape[1:]) == tuple(storage.shape):
         # The whole buffer (the transpose of a whole-buffer read): see
         # `added_in_halves` for why it is not a plain add. `scalars` says whether
-        # the window is computed from scalars (`computed_from_scalars`), which the
-        # halves take fused; a window written out anyway (a gather: the rotated
+        # the halves take the window fused or from the caller
+        # (`added_in_halves_fused`); a window written out anyway (a gather: the rotated
         # cotangent of a batch of rings, each with its own head; an unbatched
         # one is scatter-added, `_rotate_lowering`) is added faster in a
         # single-trip loop: `delay_whole` 0.73-0.75x plain `lax` in the gradient
@@ -1708,8 +1709,9 @@ def _define(name: str, impl: Callable, abstract: Callable, n_arrays: int) -> Pri
             args = _after_deferred_reads(ctx, args)
         if not many and name != "esb_read":
             args = (args[0], marked_edit(args[0], args[1]), *args[2:])
+            finished_later(ctx, _accum_unordered)
         if name == "esb_accum":
-            params = dict(params, scalars=computed_from_scalars(args[2]))
+            params = dict(params, scalars=added_in_halves_fused(args[2]))
         if many:
             out = split(ctx, *args, **params)
         elif name == "esb_read" and _read_in_branch(ctx, args[0], params):

@@ -549,7 +549,7 @@ def fold_cotangent_sum(ctx, storage: ir.Value, accum: Callable) -> None:
                 primitive=None, avals_in=avals_in, avals_out=[avals_in[0], tok_aval]
             )
             fn = functools.partial(
-                accum, scalars=computed_from_scalars(window), ring=ring
+                accum, scalars=added_in_halves_fused(window), ring=ring
             )
             tok = mlir.ir_constant(jnp.float32(0))
             new, _ = mlir.lower_fun(fn, multiple_results=True)(
@@ -631,6 +631,27 @@ def computed_from_scalars(value: ir.Value, depth: int = 8) -> bool:
     if op.name in _ELEMENTWISE:
         return all(computed_from_scalars(o, depth - 1) for o in op.operands)
     return False
+
+
+def added_in_halves_fused(value: ir.Value) -> bool:
+    """Whether a whole-buffer accumulation of the window `value` adds it in halves
+    (`added_in_halves`) rather than in a single-trip loop: where XLA fuses
+    `value` into the halves (`computed_from_scalars`), or where it is an argument
+    of the function being lowered (through reshapes and conversions), which the
+    halves read where the caller put it. Such an argument is `lax.scan`'s slice
+    of its stacked cotangents of a step's output (the whole buffer as it was
+    before an edit, output every step): a loop operand, XLA wrote it out again
+    every step, and that gradient took 4x plain `lax`'s time (1.31-1.35 against
+    0.32-0.33 ms), against 0.11 ms in halves."""
+    v = value
+    for _ in range(8):
+        op = _operation(v.owner)
+        if op is None:
+            return True
+        if op.name not in ("stablehlo.reshape", "stablehlo.convert"):
+            break
+        v = op.operands[0]
+    return computed_from_scalars(value)
 
 
 def bits_dtype(dtype) -> Any:
@@ -1373,20 +1394,29 @@ def _top_of(block: ir.Block) -> str | None:
     return ir.StringAttr(op.attributes["sym_name"]).value
 
 
-class _NotReusedAfterDeferredReads(dict):
+class _FunctionCache(dict):
     """A module's cache of lowered functions (`ModuleContext.
     cached_primitive_lowerings`) that does not hand out a function whose body holds
-    deferred reads: such a function is lowered again for each call.
+    deferred reads, and finishes a function when JAX stores it.
 
-    JAX lowers a function once and calls it wherever the same jaxpr is called: the
-    steps of a `lax.scan(..., unroll=k)` (each a `closed_call` of the body), a
-    `jax.jit` step called twice. The reads at the end of the step are left
-    deferred (plain slices that XLA fuses into their users) when it is lowered,
-    and the next call's first edit, lowered with it and before them, cannot wait
-    for them: XLA copied the buffer (2 copies per step forward, 4 under `jvp`, on a
-    delay line's taps with `unroll=2`). Lowered again, the next call's edit is
-    lowered after the previous call, and materialises its reads
-    (`_all_marks`)."""
+    Not handed out: JAX lowers a function once and calls it wherever the same
+    jaxpr is called: the steps of a `lax.scan(..., unroll=k)` (each a `closed_call`
+    of the body), a `jax.jit` step called twice. The reads at the end of the step
+    are left deferred (plain slices that XLA fuses into their users) when it is
+    lowered, and the next call's first edit, lowered with it and before them,
+    cannot wait for them: XLA copied the buffer (2 copies per step forward, 4 under
+    `jvp`, on a delay line's taps with `unroll=2`). Lowered again, the next call's
+    edit is lowered after the previous call, and materialises its reads
+    (`_all_marks`).
+
+    Finished: JAX stores a function here once its body, return included, is
+    lowered, the only point at which what it returns is known; the functions
+    `finished_later` registered are finished then (`_finish`)."""
+
+    def __init__(self, cache):
+        super().__init__(cache)
+        # `(func.func operation, the lowering context of an edit in it)`.
+        self.pending: list = []
 
     def __getitem__(self, key):
         value = super().__getitem__(key)
@@ -1402,6 +1432,26 @@ class _NotReusedAfterDeferredReads(dict):
         except KeyError:
             return default
 
+    def __setitem__(self, key, value):
+        func = getattr(value, "func", value)
+        op = getattr(func, "operation", None)
+        for k, (pending, ctx, accum) in enumerate(self.pending):
+            if op is not None and pending == op:
+                del self.pending[k]
+                _finish(ctx.replace(tokens_out=None), op, accum)
+                break
+        super().__setitem__(key, value)
+
+
+def _function_cache(ctx) -> _FunctionCache:
+    """The module's cache of lowered functions, made a `_FunctionCache`."""
+    module_ctx = ctx.module_context
+    cache = module_ctx.cached_primitive_lowerings
+    if not isinstance(cache, _FunctionCache):
+        cache = _FunctionCache(cache)
+        module_ctx.cached_primitive_lowerings = cache
+    return cache
+
 
 def _holds_deferred_reads(func: ir.Operation) -> bool:
     ops = func.regions[0].blocks[0].operations
@@ -1410,19 +1460,115 @@ def _holds_deferred_reads(func: ir.Operation) -> bool:
 
 def lowered_once_per_call(ctx) -> None:
     """Make the module being lowered lower a function again for each call of it
-    once one holds deferred reads (`_NotReusedAfterDeferredReads`): called where
-    a read is deferred at the top of a function other than the entry."""
+    once one holds deferred reads (`_FunctionCache`): called where a read is
+    deferred at the top of a function other than the entry."""
     block = ir.InsertionPoint.current.block  # pyright: ignore[reportAttributeAccessIssue]
-    name = _top_of(block)
-    module_ctx = ctx.module_context
-    cache = module_ctx.cached_primitive_lowerings
-    if (
-        name is None
-        or name == "main"
-        or isinstance(cache, _NotReusedAfterDeferredReads)
-    ):
+    if _top_of(block) not in (None, "main"):
+        _function_cache(ctx)
+
+
+# A function that returns a buffer's storage from before an edit of it (under
+# `jax.grad` of `lax.scan`, a step's whole-buffer read saved as a residual: `w =
+# buf.read(); y = (w * s).sum(); buf = buf.insert(...)`; or a step that outputs the
+# buffer as it was, `return buf.insert(...), buf.array`) leaves the caller to read
+# the old storage after the edit wrote it in place, when it stacks the result
+# (`lax.scan`'s `dynamic_update_slice` of its outputs, after the step's call). XLA
+# then copied the buffer twice a step: the loop's parameter, and that copy again
+# for the edit. The snapshot the caller needs is taken once instead, before the
+# edit, which waits for it: one write of the buffer a step where XLA made two, and
+# no copy. Only a function's return is known once its lowering is done, so each
+# edit at the top of a function other than the entry registers it
+# (`finished_later`), and the snapshots are taken when JAX stores the function
+# in the module's cache (`_FunctionCache`); a function JAX does not cache (one
+# with constants or named arguments) keeps XLA's copies.
+
+
+def finished_later(ctx, accum: Callable) -> None:
+    """Register the function whose top block an edit is being lowered in, for
+    `_finish` once its lowering is done; `accum` is as `fold_cotangent_sum`'s."""
+    block = ir.InsertionPoint.current.block  # pyright: ignore[reportAttributeAccessIssue]
+    if _top_of(block) in (None, "main"):
         return
-    module_ctx.cached_primitive_lowerings = _NotReusedAfterDeferredReads(cache)
+    func = block.owner.operation
+    cache = _function_cache(ctx)
+    if not any(f == func for f, _, _ in cache.pending):
+        cache.pending.append((func, ctx, accum))
+
+
+def _finish(ctx, func: ir.Operation, accum: Callable) -> None:
+    """What an edit in the top block of the lowered function `func` needs done
+    once the function returns: the cotangent sums it returns folded
+    (`fold_cotangent_sum`: with no access after them in the function, none
+    folded them), and snapshots of the storages it returns from before an edit
+    (`_snapshot_returned`)."""
+    block = func.regions[0].blocks[0]
+    ops = [o.operation for o in block.operations]
+    if not ops or ops[-1].name != "func.return":
+        return
+    ret = ops[-1]
+    with ir.InsertionPoint(ret):
+        for v in list(ret.operands):
+            fold_cotangent_sum(ctx, v, accum)
+    _snapshot_returned(ctx, block, ret)
+
+
+def _snapshot(x):
+    """`(copy, token zero)`: `x` read through a reduction (`pick_by_max`), which
+    XLA writes out, and a run-time zero made from its bits, for the edits after
+    it to wait for."""
+    copy, bits = pick_by_max(jnp.stack([x, x]), opaque_zero(x), 0)
+    return [copy, opaque_zero(bits).astype(jnp.float32)]
+
+
+def _snapshot_returned(ctx, block, ret: ir.Operation) -> None:
+    """In the top block `block` of a lowered function, whose return is `ret`,
+    take a snapshot of each storage that it returns (or a view of it,
+    `_whole_views`) and edits, before the first such edit, which waits for it;
+    return the snapshot instead."""
+    ops = [o.operation for o in block.operations]
+    module = ctx.module_context.module
+    edited: list = []
+    for op in ops:
+        if _EDIT_OF in op.attributes and not any(op.operands[0] == e for e in edited):
+            edited.append(op.operands[0])
+    for storage in edited:
+        views = _whole_views(storage, module, block)
+        slots = [k for k, v in enumerate(ret.operands) if any(v == w for w in views)]
+        if not slots or not _known_dtype(storage):
+            continue
+        aval = _aval_of(storage)
+        if not (
+            jnp.issubdtype(aval.dtype, jnp.floating)
+            or jnp.issubdtype(aval.dtype, jnp.integer)
+            or aval.dtype == jnp.bool_
+        ):
+            continue
+        ops = [o.operation for o in block.operations]
+        at = [
+            i
+            for i, o in enumerate(ops)
+            if _EDIT_OF in o.attributes and o.operands[0] == storage
+        ]
+        hooks = [
+            next((o for o in ops[i + 1 :] if _EDIT_TOKEN in o.attributes), None)
+            for i in at
+        ]
+        tok_aval = ShapedArray((), jnp.float32)
+        tok_type = ir.RankedTensorType.get([], ir.F32Type.get())
+        if any(h is None or h.operands[0].type != tok_type for h in hooks):
+            continue
+        sub = ctx.replace(primitive=None, avals_in=[aval], avals_out=[aval, tok_aval])
+        with ir.InsertionPoint(ops[at[0]]):
+            copy, zero = mlir.lower_fun(_snapshot, multiple_results=True)(sub, storage)
+        wait_at_hooks(hooks, zero)
+        for k in slots:
+            v = ret.operands[k]
+            if v.type != copy.type:
+                with ir.InsertionPoint(ret):
+                    v = hlo.ReshapeOp(v.type, copy).result
+            else:
+                v = copy
+            ret.operands[k] = v
 
 
 # The dtypes of the buffers whose reads are deferred: those XLA:CPU moves exactly

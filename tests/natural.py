@@ -182,6 +182,14 @@ def _whole_ds(how, first=False):
     return step
 
 
+def _history(ops, b, x, p):
+    """A traced insert, and the buffer as it was before it output every step (a
+    recorded history: `return buf.insert(...), buf.array`)."""
+    new = ops.insert(b, (x["r"][0], x["c"][0]), jnp.sin(p["s"] * x["v"]))
+    _, w = ops.read(b)
+    return new, w
+
+
 def _array_slice(ops, b, x, p):
     """An insert, then a static slice of `buf.array` (the contents, not `read`)."""
     b = ops.insert(b, (x["r"][0], x["c"][0]), jnp.sin(p["s"] * x["v"]))
@@ -563,6 +571,15 @@ ROWS = (
         "whole_read_first",
         "read((0, 0), (512, 64)) and its sum, then insert",
         _whole_ds("read", first=True),
+        (512, 64),
+        1,
+        512,
+        64,
+    ),
+    Row(
+        "history",
+        "insert, and read() (.array) of the buffer before it as the step's output",
+        _history,
         (512, 64),
         1,
         512,

@@ -21,7 +21,7 @@ import eqx_shiftbuf as esb
 from eqx_shiftbuf import _inspect
 
 from . import corpus, natural
-from .tape import loop_bodies, loop_kernels
+from .tape import loop_bodies, loop_buffer_work, loop_kernels
 
 
 # On one xdist worker (`--dist loadgroup`): the tests share compiled programs
@@ -767,3 +767,80 @@ def test_an_insert_then_a_read_copies_nothing_under_grad(shape):
     loss, args = _scan_loss(step, shape)
     fn = natural.program("grad", loss)
     assert esb.find_loop_copies(fn, *args, min_bytes=args[1].nbytes // 2) == []
+
+
+# ---------------------------------------------------------------------------
+# A step that outputs its buffer as it was before an edit (`return buf.insert(...),
+# buf.array`, a recorded history; under `grad`, a whole read before an insert,
+# saved as a residual): `lax.scan` stacks the step's outputs after the step, so the
+# old buffer must outlive the edit. XLA copied it twice a step for that; a snapshot
+# taken before the edit, which waits for it, is one write of the buffer
+# (`_xla._snapshot_returned`).
+
+HISTORY_SHAPES = [(64, 512), (8, 16, 64), (2, 4096)]
+
+
+def _history_loss(shape, dtype, lib: bool = True):
+    lead = (0,) * (len(shape) - 2)
+
+    def loss(s, a, xs):
+        def step(b, x):
+            i, v = x
+            at = lead + (i % shape[-2], i % shape[-1])
+            new = jnp.sin(v * s).astype(dtype)
+            if lib:
+                return b.insert(at, new), b.array
+            line = b[at[:-1]]
+            line = jnp.where(
+                jnp.arange(shape[-1]) < at[-1],
+                line,
+                jnp.where(jnp.arange(shape[-1]) == at[-1], new, jnp.roll(line, 1)),
+            )
+            return b.at[at[:-1]].set(line), b
+
+        b0 = esb.ShiftBuffer(a, axis=len(shape) - 1) if lib else a
+        b, ys = lax.scan(step, b0, xs)
+        final = b.array if lib else b
+        return (final.astype(jnp.float32) ** 2).sum() + ys.astype(jnp.float32).sum()
+
+    xs = (jnp.arange(STEPS, dtype=jnp.int32) * 37, jnp.linspace(0.1, 1.0, STEPS))
+    a = (jnp.arange(math.prod(shape)) % 7).reshape(shape).astype(dtype)
+    return loss, (jnp.float32(0.5), a, xs)
+
+
+@pytest.mark.parametrize("shape", HISTORY_SHAPES)
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.int32, jnp.bfloat16])
+def test_a_step_that_outputs_its_buffer_from_before_an_edit_copies_nothing(
+    shape, dtype
+):
+    loss, args = _history_loss(shape, dtype)
+    copies = esb.find_loop_copies(loss, *args, min_bytes=args[1].nbytes // 2)
+    assert copies == [], "\n".join(map(str, copies))
+    # One write of the buffer a step, the snapshot: XLA made two copies.
+    assert len(loop_buffer_work(loss, args, math.prod(shape))) == 1
+
+
+@pytest.mark.parametrize("shape", HISTORY_SHAPES)
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.int32, jnp.bfloat16])
+def test_a_step_that_outputs_its_buffer_from_before_an_edit_has_plain_lax_values(
+    shape, dtype
+):
+    loss, args = _history_loss(shape, dtype)
+    ref, _ = _history_loss(shape, dtype, lib=False)
+    np.testing.assert_array_equal(jax.jit(loss)(*args), jax.jit(ref)(*args))
+
+
+@pytest.mark.parametrize("shape", HISTORY_SHAPES)
+def test_the_gradient_through_a_buffer_output_from_before_an_edit_is_in_place(shape):
+    # Nothing is written a step but the edits: the snapshot is not taken where
+    # the step's output is not used (the forward pass of a gradient), and the
+    # output's cotangent, added to the buffer's after the insert's transpose with
+    # no access after it, is folded at the step's return (`_xla._finish`) and
+    # added in halves (`_xla.added_in_halves_fused`).
+    loss, args = _history_loss(shape, jnp.float32)
+    fn = jax.grad(loss, (0, 1))
+    assert loop_buffer_work(fn, args, math.prod(shape)) == []
+    ref, _ = _history_loss(shape, jnp.float32, lib=False)
+    got, want = jax.jit(fn)(*args), jax.jit(jax.grad(ref, (0, 1)))(*args)
+    for g, w in zip(got, want, strict=True):
+        np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5)

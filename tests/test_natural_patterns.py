@@ -82,11 +82,22 @@ IN_PLACE = [
     ("whole_ds", "vmap(grad)"),
     ("whole_read", "grad"),
     # The whole buffer's weighted sum, then an insert: the insert waits for the
-    # sum (`_xla.user_reads_before`); plain `lax` copies 2 and 4. (Under `grad`
-    # JAX's stacking of the window, the buffer itself, as a residual still
-    # copies it, 2 against plain `lax`'s 4.)
+    # sum (`_xla.user_reads_before`); plain `lax` copies 2 and 4. Under `grad`
+    # the step returns the window, the buffer itself, as a residual, which JAX
+    # stacks after the step: a snapshot of it is taken before the insert, which
+    # waits for it (`_xla._snapshot_returned`); plain `lax` copies 4 and 3.
     ("whole_read_first", "fwd"),
+    ("whole_read_first", "grad"),
     ("whole_read_first", "jvp"),
+    ("whole_read_first", "vmap(grad)"),
+    # The same with the buffer before the insert as the step's output; under
+    # `grad` its cotangent, added to the buffer's after the insert's transpose
+    # with no access after it, is folded at the step's return
+    # (`_xla._finish`). Plain `lax` copies 2, 1 and 4.
+    ("history", "fwd"),
+    ("history", "grad"),
+    ("history", "jvp"),
+    ("history", "vmap(grad)"),
     ("whole_array", "grad"),
     ("whole_array", "vmap(grad)"),
     # `.array` after the step's edits: read through `read_p`, its cotangent
@@ -193,6 +204,8 @@ def test_no_per_iteration_copies(row, mode):
         "two_lines",
         "whole_ds",
         "whole_array",
+        "whole_read_first",
+        "history",
         "array_slice",
         "array_dslice",
         "delay_array",
