@@ -1522,19 +1522,21 @@ def _snapshot(x):
 
 def _snapshot_returned(ctx, block, ret: ir.Operation) -> None:
     """In the top block `block` of a lowered function, whose return is `ret`,
-    take a snapshot of each storage that it returns (or a view of it,
-    `_whole_views`) and edits, before the first such edit, which waits for it;
-    return the snapshot instead."""
-    ops = [o.operation for o in block.operations]
+    take a snapshot of each storage that it edits and returns (a view of it,
+    `_whole_views`, or what elementwise operations compute from one: JAX's
+    residual of `(w * c * v).sum()` for `v` is `w * c`, which XLA computes in the
+    stacking), which the edits of the storage wait for; the return, or those
+    operations, take the snapshot instead."""
     module = ctx.module_context.module
     edited: list = []
-    for op in ops:
+    for op in (o.operation for o in block.operations):
         if _EDIT_OF in op.attributes and not any(op.operands[0] == e for e in edited):
             edited.append(op.operands[0])
+    tok_aval = ShapedArray((), jnp.float32)
+    tok_type = ir.RankedTensorType.get([], ir.F32Type.get())
     for storage in edited:
-        views = _whole_views(storage, module, block)
-        slots = [k for k, v in enumerate(ret.operands) if any(v == w for w in views)]
-        if not slots or not _known_dtype(storage):
+        uses = _returned_uses(ret, _whole_views(storage, module, block), block)
+        if not uses or not _known_dtype(storage):
             continue
         aval = _aval_of(storage)
         if not (
@@ -1544,31 +1546,55 @@ def _snapshot_returned(ctx, block, ret: ir.Operation) -> None:
         ):
             continue
         ops = [o.operation for o in block.operations]
-        at = [
-            i
+        hooks = [
+            next((o for o in ops[i + 1 :] if _EDIT_TOKEN in o.attributes), None)
             for i, o in enumerate(ops)
             if _EDIT_OF in o.attributes and o.operands[0] == storage
         ]
-        hooks = [
-            next((o for o in ops[i + 1 :] if _EDIT_TOKEN in o.attributes), None)
-            for i in at
-        ]
-        tok_aval = ShapedArray((), jnp.float32)
-        tok_type = ir.RankedTensorType.get([], ir.F32Type.get())
         if any(h is None or h.operands[0].type != tok_type for h in hooks):
             continue
+        # At the top of the block, or right after the storage is made: before
+        # every operation that may take the snapshot.
+        owner = _operation(storage.owner)
+        at = ir.InsertionPoint.at_block_begin(block)
+        if owner is not None:
+            at = ir.InsertionPoint(ops[ops.index(owner) + 1])
         sub = ctx.replace(primitive=None, avals_in=[aval], avals_out=[aval, tok_aval])
-        with ir.InsertionPoint(ops[at[0]]):
+        with at:
             copy, zero = mlir.lower_fun(_snapshot, multiple_results=True)(sub, storage)
         wait_at_hooks(hooks, zero)
-        for k in slots:
-            v = ret.operands[k]
-            if v.type != copy.type:
-                with ir.InsertionPoint(ret):
-                    v = hlo.ReshapeOp(v.type, copy).result
-            else:
-                v = copy
-            ret.operands[k] = v
+        for op, k in uses:
+            v = copy
+            if op.operands[k].type != copy.type:
+                with ir.InsertionPoint(op):
+                    v = hlo.ReshapeOp(op.operands[k].type, copy).result
+            op.operands[k] = v
+
+
+def _returned_uses(ret: ir.Operation, views: list, block, depth: int = 8) -> list:
+    """`(operation, operand number)` of each use of one of `views` by `ret` or by
+    an elementwise operation of `block` whose result `ret` takes (at most `depth`
+    deep)."""
+    found, seen, todo = [], [], [(ret, depth)]
+    while todo:
+        op, d = todo.pop()
+        for k, v in enumerate(op.operands):
+            if any(v == w for w in views):
+                found.append((op, k))
+                continue
+            src = _operation(v.owner)
+            if (
+                src is None
+                or d == 0
+                or src.block != block
+                or src.name not in _ELEMENTWISE
+                or any(m in src.attributes for m in _MARKS)
+                or any(src == s for s in seen)
+            ):
+                continue
+            seen.append(src)
+            todo.append((src, d - 1))
+    return found
 
 
 # The dtypes of the buffers whose reads are deferred: those XLA:CPU moves exactly

@@ -844,3 +844,29 @@ def test_the_gradient_through_a_buffer_output_from_before_an_edit_is_in_place(sh
     got, want = jax.jit(fn)(*args), jax.jit(jax.grad(ref, (0, 1)))(*args)
     for g, w in zip(got, want, strict=True):
         np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("shape", [(64, 512), (8, 16, 64)])
+@pytest.mark.parametrize("mode", ["grad", "vmap(grad)"])
+def test_a_weighted_whole_read_then_an_insert_copies_nothing_under_grad(shape, mode):
+    # JAX's residual of `(w * c * v).sum()` for `v` is `w * c`, computed from the
+    # buffer in the stacking after the step's insert: the snapshot is taken for
+    # the elementwise operations the step returns (`_xla._returned_uses`).
+    lead = (0,) * (len(shape) - 2)
+    c = jnp.cos(jnp.arange(math.prod(shape), dtype=jnp.float32)).reshape(shape)
+
+    def step(b, x, s):
+        i, j, v = x
+        b, w = b.read()
+        y = (w * c * v * s).sum()
+        return b.insert(lead + (i % shape[-2], j), jnp.sin(v * s)), y
+
+    loss, args = _scan_loss(step, shape)
+    fn = natural.program(mode, loss)
+    if mode == "vmap(grad)":
+        args = (
+            args[0],
+            args[1],
+            jax.tree.map(lambda a: jnp.stack([a, a[::-1]]), args[2]),
+        )
+    assert esb.find_loop_copies(fn, *args, min_bytes=args[1].nbytes // 2) == []
