@@ -169,6 +169,7 @@ from ._xla import (
     from_carrier,
     in_branch,
     is_zeros,
+    Kit,
     loop_not_unrolled,
     lowered_at,
     lowered_once_per_call,
@@ -1565,6 +1566,10 @@ def _accum_unordered(storage, tok, window, *starts, scalars, ring=None):
     )
 
 
+# What `_xla._finish` lowers once a function holding accesses is lowered whole.
+_FINISH_KIT = Kit(_accum_unordered, _reduced_read, _can_reduce_read)
+
+
 # The least size in bytes of a storage whose reads after an edit are made in a
 # conditional (`_edited_bits`). XLA:CPU runs a conditional in about 0.3 us, the
 # time of copying about 2 KiB: measured forward (200 steps, `promise_in_bounds`,
@@ -1634,6 +1639,8 @@ def _define(name: str, impl: Callable, abstract: Callable, n_arrays: int) -> Pri
 
     def lowering(ctx, *args, **params):
         many = params["nbatch"] > 0 and on_several_devices(ctx)
+        if not many:
+            finished_later(ctx, _FINISH_KIT)
         if not many and name == "esb_read" and ctx.avals_out[2].shape == ():
             # A read of a storage already edited here reads the old value: lowered
             # before the edit, which waits for it (`_xla.edits_of`).
@@ -1709,7 +1716,6 @@ def _define(name: str, impl: Callable, abstract: Callable, n_arrays: int) -> Pri
             args = _after_deferred_reads(ctx, args)
         if not many and name != "esb_read":
             args = (args[0], marked_edit(args[0], args[1]), *args[2:])
-            finished_later(ctx, _accum_unordered)
         if name == "esb_accum":
             params = dict(params, scalars=added_in_halves_fused(args[2]))
         if many:

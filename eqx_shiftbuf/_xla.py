@@ -36,7 +36,7 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import equinox as eqx
 import jax
@@ -969,6 +969,10 @@ def deferred_loop_read(
 # conditional, lowered beside the plain one, unused until an edit follows (XLA
 # drops it otherwise).
 _ROTATION = "esb.deferred_rotation"
+# Once materialised, an unused tuple of the storage and the rotation's mark, for
+# a function that calls an edit of the storage to wait for the rotation's readers
+# (`_user_reads_before_call`).
+_ROTATED = "esb.materialised_rotation"
 
 
 def deferred_rotation(x: ir.Value, rotated: ir.Value, in_a_branch: ir.Value):
@@ -1167,6 +1171,7 @@ _MARKS = (
     _ROTATION,
     _ROTATION_WAIT,
     _ROTATION_TOKEN,
+    _ROTATED,
 )
 
 
@@ -1435,10 +1440,10 @@ class _FunctionCache(dict):
     def __setitem__(self, key, value):
         func = getattr(value, "func", value)
         op = getattr(func, "operation", None)
-        for k, (pending, ctx, accum) in enumerate(self.pending):
+        for k, (pending, ctx, kit) in enumerate(self.pending):
             if op is not None and pending == op:
                 del self.pending[k]
-                _finish(ctx.replace(tokens_out=None), op, accum)
+                _finish(ctx.replace(tokens_out=None), op, kit)
                 break
         super().__setitem__(key, value)
 
@@ -1467,134 +1472,361 @@ def lowered_once_per_call(ctx) -> None:
         _function_cache(ctx)
 
 
-# A function that returns a buffer's storage from before an edit of it (under
-# `jax.grad` of `lax.scan`, a step's whole-buffer read saved as a residual: `w =
-# buf.read(); y = (w * s).sum(); buf = buf.insert(...)`; or a step that outputs the
-# buffer as it was, `return buf.insert(...), buf.array`) leaves the caller to read
-# the old storage after the edit wrote it in place, when it stacks the result
-# (`lax.scan`'s `dynamic_update_slice` of its outputs, after the step's call). XLA
-# then copied the buffer twice a step: the loop's parameter, and that copy again
-# for the edit. The snapshot the caller needs is taken once instead, before the
-# edit, which waits for it: one write of the buffer a step where XLA made two, and
-# no copy. Only a function's return is known once its lowering is done, so each
-# edit at the top of a function other than the entry registers it
-# (`finished_later`), and the snapshots are taken when JAX stores the function
-# in the module's cache (`_FunctionCache`); a function JAX does not cache (one
-# with constants or named arguments) keeps XLA's copies.
+# Some orders are known only once a function called in a loop body (a step of
+# `lax.scan`, a `jax.jit` helper inside it) is lowered whole, return included:
+#
+# - A function that returns a buffer's storage from before an edit of it (under
+#   `jax.grad` of `lax.scan`, a step's whole-buffer read saved as a residual: `w =
+#   buf.read(); y = (w * s).sum(); buf = buf.insert(...)`; or a step that outputs
+#   the buffer as it was, `return buf.insert(...), buf.array`), or a slice of it,
+#   or what elementwise operations compute from either (JAX's residual of `(w * c
+#   * v).sum()` for `v` is `w * c`), leaves its caller to read the old storage
+#   after the edit wrote it in place, when it stacks the result (`lax.scan`'s
+#   `dynamic_update_slice` of its outputs, after the step's call). XLA copied the
+#   buffer twice a step for that: the loop's parameter, and that copy again for
+#   the edit. The buffer is read into a snapshot instead, before the edit, which
+#   waits for it (a slice: read as a window, `user_slices_materialised`'s way):
+#   one write of the buffer a step where XLA made two, and no copy.
+# - A function called from the step that edits a buffer (`y = buf.array[0].sum();
+#   buf = jit_insert(buf, ...)`) is lowered before its call, so its edit could not
+#   wait for the reads its caller made of the buffer before the call
+#   (`user_reads_before` searches the edit's own block): XLA copied the buffer,
+#   1-2 a step forward and 2-4 under `jvp` (copy_sweep's `arr_jit`, every
+#   shape). The token the call passes in is made to wait for them.
+#
+# Each access lowered at the top of a function other than the entry registers it
+# (`finished_later`), and it is finished when JAX stores it in the module's cache
+# (`_FunctionCache`); a function JAX does not cache (one with constants or named
+# arguments) keeps XLA's copies.
 
 
-def finished_later(ctx, accum: Callable) -> None:
-    """Register the function whose top block an edit is being lowered in, for
-    `_finish` once its lowering is done; `accum` is as `fold_cotangent_sum`'s."""
+class Kit(NamedTuple):
+    """The lowerings `_finish` uses, which `_primitives` defines:
+    `fold_cotangent_sum`'s `accum`, and `user_slices_materialised`'s `reduced`
+    and `can_reduce`."""
+
+    accum: Callable
+    reduced: Callable
+    can_reduce: Callable
+
+
+def finished_later(ctx, kit: Kit) -> None:
+    """Register the function whose top block an access is being lowered in, for
+    `_finish` once its lowering is done."""
     block = ir.InsertionPoint.current.block  # pyright: ignore[reportAttributeAccessIssue]
     if _top_of(block) in (None, "main"):
         return
     func = block.owner.operation
     cache = _function_cache(ctx)
     if not any(f == func for f, _, _ in cache.pending):
-        cache.pending.append((func, ctx, accum))
+        cache.pending.append((func, ctx, kit))
 
 
-def _finish(ctx, func: ir.Operation, accum: Callable) -> None:
-    """What an edit in the top block of the lowered function `func` needs done
-    once the function returns: the cotangent sums it returns folded
+def _finish(ctx, func: ir.Operation, kit: Kit) -> None:
+    """What the accesses in the top block of the lowered function `func` need
+    done once it returns: the cotangent sums it returns folded
     (`fold_cotangent_sum`: with no access after them in the function, none
-    folded them), and snapshots of the storages it returns from before an edit
-    (`_snapshot_returned`)."""
+    folded them), snapshots of the buffers it returns from before an edit, and
+    the edits in the functions it calls made to wait for the reads before the
+    call."""
     block = func.regions[0].blocks[0]
     ops = [o.operation for o in block.operations]
     if not ops or ops[-1].name != "func.return":
         return
-    ret = ops[-1]
+    ret, module = ops[-1], ctx.module_context.module
     with ir.InsertionPoint(ret):
         for v in list(ret.operands):
-            fold_cotangent_sum(ctx, v, accum)
-    _snapshot_returned(ctx, block, ret)
+            fold_cotangent_sum(ctx, v, kit.accum)
+    for storage, waits in _edits_in(block, module):
+        zeros = _returned_read_first(ctx, kit, block, ret, storage, waits)
+        for wait in waits:
+            if wait[0] == "call":
+                zeros += _reads_before_call(ctx, kit, wait[1], storage)
+            _wait(ctx, wait, zeros)
+
+
+def _edits_in(block, module) -> list:
+    """`(storage, waits)` for each storage that an edit in `block`, or in the top
+    block of a function called there, edits: `waits` holds `("hooks", hooks)` for
+    the edits of the block (`marked_edit`'s token hooks), `("call", call, t)` for
+    each call, whose `t`-th operand is the token its edit waits for."""
+    ops = [o.operation for o in block.operations]
+    found: list = []
+
+    def add(storage, wait):
+        for s, waits in found:
+            if s == storage:
+                waits.append(wait)
+                return
+        found.append((storage, [wait]))
+
+    for i, op in enumerate(ops):
+        if _EDIT_OF in op.attributes:
+            hook = next((o for o in ops[i + 1 :] if _EDIT_TOKEN in o.attributes), None)
+            if hook is not None:
+                add(op.operands[0], ("hooks", [hook]))
+        elif op.name == "func.call":
+            callee = _callee(op, module)
+            if not callee.regions or not callee.regions[0].blocks:
+                continue
+            cops = [o.operation for o in callee.regions[0].blocks[0].operations]
+            for k, mark in enumerate(cops):
+                if _EDIT_OF not in mark.attributes:
+                    continue
+                hook = next(
+                    (o for o in cops[k + 1 :] if _EDIT_TOKEN in o.attributes), None
+                )
+                a = _argument_number(mark.operands[0])
+                t = None if hook is None else _argument_number(_token_source(hook))
+                if a is not None and t is not None:
+                    add(op.operands[a], ("call", op, t))
+    return found
+
+
+def _wait(ctx, wait: tuple, zeros: list) -> None:
+    """Make the edits of `wait` (`_edits_in`) wait for the values `zeros`: for a
+    call, its token operand plus a run-time zero made from each of them, computed
+    before the call."""
+    if not zeros:
+        return
+    if wait[0] == "hooks":
+        for z in zeros:
+            wait_at_hooks(wait[1], _token_zero(ctx, z, wait[1][0]))
+        return
+    _, call, t = wait
+    tok = call.operands[t]
+    tok_aval = _aval_of(tok)
+    sub = ctx.replace(
+        primitive=None,
+        avals_in=[tok_aval, *(_aval_of(z) for z in zeros)],
+        avals_out=[tok_aval],
+    )
+    with ir.InsertionPoint(call):
+        (new,) = mlir.lower_fun(_waiting, multiple_results=True)(sub, tok, *zeros)
+    call.operands[t] = new
+
+
+def _token_zero(ctx, value: ir.Value, hook: ir.Operation) -> ir.Value:
+    """A run-time zero of the type of the token `hook` waits for, made from
+    `value`, computed right after `value`."""
+    tok_aval = _aval_of(hook.operands[0])
+    sub = ctx.replace(primitive=None, avals_in=[_aval_of(value)], avals_out=[tok_aval])
+    zero = lambda v: [opaque_zero(v).astype(tok_aval.dtype)]
+    owner = _operation(value.owner)
+    assert owner is not None  # a result of a snapshot or a window's read
+    with ir.InsertionPoint.after(owner):
+        (z,) = mlir.lower_fun(zero, multiple_results=True)(sub, value)
+    return z
+
+
+def _waiting(tok, *values):
+    """`[tok]` plus a run-time zero made from each of `values`."""
+    for v in values:
+        tok = tok + opaque_zero(v).astype(tok.dtype)
+    return [tok]
+
+
+def _argument_number(v: ir.Value) -> int | None:
+    """The number of the argument of its block that `v` is, if it is one."""
+    if isinstance(v.owner, ir.Block):
+        return ir.BlockArgument(v).arg_number
+    return None
+
+
+def _token_source(hook: ir.Operation) -> ir.Value:
+    """The token the edit token hook `hook` waits for, back through the additions
+    of waits to it (`read_token`, `wait_at_hooks`, `after_marked_reads`: the token
+    is each addition's first operand) and no-op reshapes."""
+    tok = hook.operands[0]
+    for _ in range(64):
+        op = _operation(tok.owner)
+        if op is None or op.name not in ("stablehlo.add", "stablehlo.reshape"):
+            break
+        tok = op.operands[0]
+    return tok
+
+
+def _before(v: ir.Value, op: ir.Operation) -> bool:
+    """Whether `v` is computed in `op`'s block, before `op`."""
+    owner = _operation(v.owner)
+    if owner is None or owner.block != op.block:
+        return False
+    for o in op.block.operations:
+        if o.operation == owner:
+            return True
+        if o.operation == op:
+            return False
+    return False
+
+
+def _rotations_of(storage: ir.Value, block) -> list:
+    """The values of the marks of the rotations of `storage` in `block` (a ring's
+    `.array`: `deferred_rotation`, materialised or not)."""
+    out = []
+    for use in storage.uses:
+        op = _operation(use.owner)
+        if (
+            op is not None
+            and op.block == block
+            and (_ROTATION in op.attributes or _ROTATED in op.attributes)
+            and use.operand_number == 0
+        ):
+            out.append(op.operands[1])
+    return out
+
+
+def _reads_before_call(ctx, kit: Kit, call: ir.Operation, storage: ir.Value) -> list:
+    """The values to wait for of the reads of `storage` (and of a ring's
+    rotations of it, `.array`) before `call` in its block: the user's
+    (`user_reads_before`), the tokens of the library's reads that return none
+    (`dynamic_slice`: `marked_read`), and the user's slices that only operations
+    after the call read, read as windows (`_read_as_window`, as
+    `user_slices_materialised` reads them)."""
+    module, block = ctx.module_context.module, call.block
+    values = [storage, *_rotations_of(storage, block)]
+    with ir.InsertionPoint(call):
+        found = [v for x in values for v, _ in user_reads_before(x, module)]
+    for v in _aliases(storage, module):
+        for use in v.uses:
+            op = _operation(use.owner)
+            if op is not None and _READ_WAIT in op.attributes and op.block == block:
+                found.append(op.operands[1])
+    for x in values:
+        for v, op in _user_uses(x, module, block):
+            if (
+                op.name not in ("stablehlo.slice", "stablehlo.dynamic_slice")
+                or not _before(op.result, call)
+                or any(_before(r, call) for r in _readers(op.result, block, 8))
+            ):
+                continue
+            sizes = tuple(_aval_of(op.result).shape)
+            if kit.can_reduce(_aval_of(v), sizes):
+                read = _read_as_window(ctx, op, v, kit.reduced, sizes)
+                if read is not None:
+                    found.append(read[0])
+    return [v for v in found if _before(v, call)]
 
 
 def _snapshot(x):
-    """`(copy, token zero)`: `x` read through a reduction (`pick_by_max`), which
-    XLA writes out, and a run-time zero made from its bits, for the edits after
-    it to wait for."""
-    copy, bits = pick_by_max(jnp.stack([x, x]), opaque_zero(x), 0)
-    return [copy, opaque_zero(bits).astype(jnp.float32)]
+    """`(copy, bits)`: `x` read through a reduction (`pick_by_max`), which XLA
+    writes out, and the reduction's result, for the edits after it to wait for."""
+    return list(pick_by_max(jnp.stack([x, x]), opaque_zero(x), 0))
 
 
-def _snapshot_returned(ctx, block, ret: ir.Operation) -> None:
-    """In the top block `block` of a lowered function, whose return is `ret`,
-    take a snapshot of each storage that it edits and returns (a view of it,
-    `_whole_views`, or what elementwise operations compute from one: JAX's
-    residual of `(w * c * v).sum()` for `v` is `w * c`, which XLA computes in the
-    stacking), which the edits of the storage wait for; the return, or those
-    operations, take the snapshot instead."""
+def _returned_read_first(ctx, kit: Kit, block, ret, storage, waits) -> list:
+    """Snapshot `storage` where the return `ret` of `block` takes it (or a view
+    of it, `_whole_views`), or what elementwise operations compute from it, and
+    read as windows the slices of it it takes so (`_read_as_window`), for the
+    edits of `waits` to wait for; return the values to wait for."""
     module = ctx.module_context.module
-    edited: list = []
-    for op in (o.operation for o in block.operations):
-        if _EDIT_OF in op.attributes and not any(op.operands[0] == e for e in edited):
-            edited.append(op.operands[0])
-    tok_aval = ShapedArray((), jnp.float32)
-    tok_type = ir.RankedTensorType.get([], ir.F32Type.get())
-    for storage in edited:
-        uses = _returned_uses(ret, _whole_views(storage, module, block), block)
-        if not uses or not _known_dtype(storage):
-            continue
-        aval = _aval_of(storage)
-        if not (
-            jnp.issubdtype(aval.dtype, jnp.floating)
-            or jnp.issubdtype(aval.dtype, jnp.integer)
-            or aval.dtype == jnp.bool_
+    if not _known_dtype(storage):
+        return []
+    aval = _aval_of(storage)
+    if not (
+        jnp.issubdtype(aval.dtype, jnp.floating)
+        or jnp.issubdtype(aval.dtype, jnp.integer)
+        or aval.dtype == jnp.bool_
+    ):
+        return []
+    first = min(
+        (_edit_position(w, block) for w in waits), default=len(block.operations)
+    )
+    # The storage, and its views made before its first edit: one made in the
+    # edit's own lowering is its own read (a pop's value, where the line is one
+    # element long: the whole storage), which the edit orders itself; given a
+    # snapshot too, XLA copied the new line into the carry (1 a step under
+    # `grad`, `tests/test_one_line.py`).
+    views, late = [], []
+    for v in _whole_views(storage, module, block):
+        owner = _operation(v.owner)
+        early = owner is None or owner.block != block or _position(owner, block) < first
+        (views if early else late).append(v)
+    wholes, slices = _returned_uses(ret, views, block, stop=late)
+    # A ring's `.array` is a rotation of its storage, a new array except where XLA
+    # finds the head constant 0 and drops it: its returned slices are read as
+    # windows too. (Not the whole rotation, which a snapshot would write out a
+    # second time wherever the head moves, a delay line's.)
+    slices += _returned_uses(ret, _rotations_of(storage, block), block)[1]
+    out = []
+    for op in slices:
+        sizes = tuple(_aval_of(op.result).shape)
+        if _position(op, block) < first and kit.can_reduce(
+            _aval_of(op.operands[0]), sizes
         ):
-            continue
-        ops = [o.operation for o in block.operations]
-        hooks = [
-            next((o for o in ops[i + 1 :] if _EDIT_TOKEN in o.attributes), None)
-            for i, o in enumerate(ops)
-            if _EDIT_OF in o.attributes and o.operands[0] == storage
-        ]
-        if any(h is None or h.operands[0].type != tok_type for h in hooks):
-            continue
-        # At the top of the block, or right after the storage is made: before
-        # every operation that may take the snapshot.
-        owner = _operation(storage.owner)
-        at = ir.InsertionPoint.at_block_begin(block)
-        if owner is not None:
-            at = ir.InsertionPoint(ops[ops.index(owner) + 1])
-        sub = ctx.replace(primitive=None, avals_in=[aval], avals_out=[aval, tok_aval])
-        with at:
-            copy, zero = mlir.lower_fun(_snapshot, multiple_results=True)(sub, storage)
-        wait_at_hooks(hooks, zero)
-        for op, k in uses:
-            v = copy
-            if op.operands[k].type != copy.type:
-                with ir.InsertionPoint(op):
-                    v = hlo.ReshapeOp(op.operands[k].type, copy).result
-            op.operands[k] = v
+            read = _read_as_window(ctx, op, op.operands[0], kit.reduced, sizes)
+            if read is not None:
+                out.append(read[0])
+    if not wholes:
+        return out
+    # At the top of the block, or right after the storage is made: before every
+    # operation that may take the snapshot.
+    owner = _operation(storage.owner)
+    at = ir.InsertionPoint.at_block_begin(block)
+    if owner is not None and owner.block == block:
+        at = ir.InsertionPoint.after(owner)
+    bits_aval = ShapedArray(
+        aval.shape,
+        jnp.dtype(jnp.bool_) if aval.dtype == jnp.bool_ else bits_dtype(aval.dtype),
+    )
+    sub = ctx.replace(primitive=None, avals_in=[aval], avals_out=[aval, bits_aval])
+    with at:
+        copy, bits = mlir.lower_fun(_snapshot, multiple_results=True)(sub, storage)
+    for op, k in wholes:
+        v = copy
+        if op.operands[k].type != copy.type:
+            with ir.InsertionPoint(op):
+                v = hlo.ReshapeOp(op.operands[k].type, copy).result
+        op.operands[k] = v
+    return [*out, bits]
 
 
-def _returned_uses(ret: ir.Operation, views: list, block, depth: int = 8) -> list:
-    """`(operation, operand number)` of each use of one of `views` by `ret` or by
-    an elementwise operation of `block` whose result `ret` takes (at most `depth`
-    deep)."""
-    found, seen, todo = [], [], [(ret, depth)]
+def _position(op: ir.Operation, block) -> int:
+    return next(k for k, o in enumerate(block.operations) if o.operation == op)
+
+
+def _edit_position(wait: tuple, block) -> int:
+    """The position in `block` of the first edit of `wait` (`_edits_in`)."""
+    if wait[0] == "call":
+        return _position(wait[1], block)
+    return min(_position(h, block) for h in wait[1])
+
+
+def _returned_uses(
+    ret: ir.Operation, views: list, block, depth: int = 8, stop: tuple | list = ()
+) -> tuple:
+    """`(wholes, slices)`: `(operation, operand number)` of each use of one of
+    `views` by `ret` or by an elementwise operation of `block` whose result `ret`
+    takes (at most `depth` deep), not past the values `stop`; and the user's
+    slices of `views` (static, dynamic) whose results `ret` takes so
+    (operations)."""
+    wholes, slices, seen, todo = [], [], [], [(ret, depth)]
     while todo:
         op, d = todo.pop()
         for k, v in enumerate(op.operands):
             if any(v == w for w in views):
-                found.append((op, k))
+                wholes.append((op, k))
+                continue
+            if any(v == w for w in stop):
                 continue
             src = _operation(v.owner)
             if (
                 src is None
                 or d == 0
                 or src.block != block
-                or src.name not in _ELEMENTWISE
                 or any(m in src.attributes for m in _MARKS)
                 or any(src == s for s in seen)
             ):
                 continue
+            if src.name in ("stablehlo.slice", "stablehlo.dynamic_slice"):
+                if any(src.operands[0] == w for w in views):
+                    seen.append(src)
+                    slices.append(src)
+                continue
+            if src.name not in _ELEMENTWISE:
+                continue
             seen.append(src)
             todo.append((src, d - 1))
-    return found
+    return wholes, slices
 
 
 # The dtypes of the buffers whose reads are deferred: those XLA:CPU moves exactly
@@ -1685,6 +1917,9 @@ def _materialise(ctx, mark: ir.Operation, reduced: Callable, token_after: Callab
         rotated: ir.Value = rotation.operands[2]
         mark.operands[0] = after = rotated
         del mark.attributes[_DEFERRED_READ]
+        with ir.InsertionPoint(rotation):
+            done = hlo.TupleOp([rotation.operands[0], mark.result])
+        done.operation.attributes[_ROTATED] = ir.UnitAttr.get()
         rotation.erase()
         while (wait := _info(mark, _ROTATION_WAIT)) is not None:
             hook = _operation(wait.operands[1].owner)
@@ -1752,6 +1987,9 @@ def _materialise(ctx, mark: ir.Operation, reduced: Callable, token_after: Callab
     )
     with ir.InsertionPoint(hook):
         (new_tok,) = mlir.lower_fun(waited, multiple_results=True)(sub, tok, bits)
+        # (For an edit in a function called after it, whose caller passes in
+        # the buffer's token, not this read's: `_user_reads_before_call`.)
+        marked_read(storage, new_tok)
     hook.operands[0] = new_tok
     del hook.attributes[_READ_TOKEN]
     return bits, avals_out[1]
