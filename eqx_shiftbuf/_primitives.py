@@ -1717,7 +1717,8 @@ def _define(name: str, impl: Callable, abstract: Callable, n_arrays: int) -> Pri
         if not many and name != "esb_read":
             args = (args[0], marked_edit(args[0], args[1]), *args[2:])
         if name == "esb_accum":
-            params = dict(params, scalars=added_in_halves_fused(args[2]))
+            module = ctx.module_context.module
+            params = dict(params, scalars=added_in_halves_fused(args[2], module))
         if many:
             out = split(ctx, *args, **params)
         elif name == "esb_read" and _read_in_branch(ctx, args[0], params):

@@ -780,7 +780,7 @@ def test_an_insert_then_a_read_copies_nothing_under_grad(shape):
 HISTORY_SHAPES = [(64, 512), (8, 16, 64), (2, 4096)]
 
 
-def _history_loss(shape, dtype, lib: bool = True):
+def _history_loss(shape, dtype, lib: bool = True, scan=lax.scan):
     lead = (0,) * (len(shape) - 2)
 
     def loss(s, a, xs):
@@ -799,7 +799,7 @@ def _history_loss(shape, dtype, lib: bool = True):
             return b.at[at[:-1]].set(line), b
 
         b0 = esb.ShiftBuffer(a, axis=len(shape) - 1) if lib else a
-        b, ys = lax.scan(step, b0, xs)
+        b, ys = scan(step, b0, xs)
         final = b.array if lib else b
         return (final.astype(jnp.float32) ** 2).sum() + ys.astype(jnp.float32).sum()
 
@@ -830,16 +830,25 @@ def test_a_step_that_outputs_its_buffer_from_before_an_edit_has_plain_lax_values
     np.testing.assert_array_equal(jax.jit(loss)(*args), jax.jit(ref)(*args))
 
 
+CHECKPOINTED = functools.partial(esb.scan, kind="checkpointed")
+
+
 @pytest.mark.parametrize("shape", HISTORY_SHAPES)
-def test_the_gradient_through_a_buffer_output_from_before_an_edit_is_in_place(shape):
+@pytest.mark.parametrize("scan", [lax.scan, CHECKPOINTED], ids=["lax", "esb"])
+def test_the_gradient_through_a_buffer_output_from_before_an_edit_is_in_place(
+    shape, scan
+):
     # Nothing is written a step but the edits: the snapshot is not taken where
     # the step's output is not used (the forward pass of a gradient), and the
     # output's cotangent, added to the buffer's after the insert's transpose with
     # no access after it, is folded at the step's return (`_xla._finish`) and
-    # added in halves (`_xla.added_in_halves_fused`).
-    loss, args = _history_loss(shape, jnp.float32)
+    # added in halves (`_xla.added_in_halves_fused`), under `esb.scan` too,
+    # whose step takes it through a call.
+    loss, args = _history_loss(shape, jnp.float32, scan=scan)
     fn = jax.grad(loss, (0, 1))
-    assert loop_buffer_work(fn, args, math.prod(shape)) == []
+    work = loop_buffer_work(fn, args, math.prod(shape))
+    # (`esb.scan` loads each reversed step's checkpoint: a slice of its store.)
+    assert [w for w in work if not w.startswith("%dynamic-slice_")] == []
     ref, _ = _history_loss(shape, jnp.float32, lib=False)
     got, want = jax.jit(fn)(*args), jax.jit(jax.grad(ref, (0, 1)))(*args)
     for g, w in zip(got, want, strict=True):
