@@ -22,8 +22,16 @@ along the shift axis (traced from the scan's inputs, or Python / NumPy ints) and
     python benchmarks/experiments/copy_sweep.py --kind eqxi --modes fwd,grad,vmap,"vmap(grad)"
     python benchmarks/experiments/copy_sweep.py --shapes last3 --bodies ins_del --detail
 
-All shapes with traced int32 take about 10 minutes on the project's 2-core CPU.
-Last run (2026-12-05, jax 0.10.2): 0 copies on every row of the default sweep (13
+All shapes with traced int32 take about 25 minutes on the project's 2-core CPU.
+Latest default sweep (13 shapes x 24 bodies x 7 modes, traced int32; 2026-12-07,
+commit `35332cd`): 0 on every row but `all_ins` on the five shapes of one line
+(`flat, line, col, ring, lead`: 1-2 a step under grad, vmap(grad), grad(vmap)),
+rings whose head XLA finds constant 0 read whole before an insert, the window
+saved as a residual (README, known limits). `arr_jit` (an insert in a nested
+`jax.jit` after a slice of `.array` summed) copied 1-4 a step on every shape and
+mode before `_xla._reads_before_call`, and `all_ins` 1-2 on every shape under
+the three gradient modes before `_xla._snapshot_returned`.
+Earlier runs (2026-12-05, jax 0.10.2): 0 copies on every row of the default sweep (13
 shapes x 12 bodies x 7 modes); of `--styles traced32,pyint,npint,pyneg` on the
 rings (`flat,ring,line,col,lead`); of `--kind esb` (`flat,ring,line,lead`,
 `pyint,traced32`) and of `--kind fori` (`flat,ring,line`, `pyint,traced32`).
