@@ -518,9 +518,9 @@ def _accum_impl(
     if size == 1 and tuple(window.shape[1:]) == tuple(storage.shape):
         # The whole buffer (the transpose of a whole-buffer read): see
         # `added_in_halves` for why it is not a plain add. `scalars` says whether
-        # the halves take the window fused or from the caller
-        # (`added_in_halves_fused`); a window written out anyway (a gather: the rotated
-        # cotangent of a batch of rings, each with its own head; an unbatched
+        # the halves take the window fused or read it from memory
+        # (`added_in_halves_fused`); a window written out anyway (a gather: the
+        # rotated cotangent of a batch of rings, each with its own head; an unbatched
         # one is scatter-added, `_rotate_lowering`) is added faster in a
         # single-trip loop: `delay_whole` 0.73-0.75x plain `lax` in the gradient
         # that way, 0.83-0.95x in halves, on an earlier machine.

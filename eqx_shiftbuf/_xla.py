@@ -658,7 +658,10 @@ def added_in_halves_fused(value: ir.Value, module) -> bool:
             # An argument of a function called here: the call's operand.
             v = calls.pop().operands[ir.BlockArgument(v).arg_number]
         elif op.name == "func.call":
-            ret = list(_callee(op, module).regions[0].blocks[0].operations)[-1]
+            body = _callee(op, module).regions[0].blocks
+            if not body:  # (a declaration: JAX's functions all have bodies)
+                break
+            ret = list(body[0].operations)[-1]
             v = ret.operands[ir.OpResult(v).result_number]
             calls.append(op)
         elif op.name in _FROM_MEMORY:
