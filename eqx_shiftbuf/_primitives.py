@@ -200,6 +200,7 @@ from ._xla import (
     user_slices_materialised,
     varying_axes_of_aval,
     wait_at_hooks,
+    waiting,
     widened_write,
     window2_edit,
     window_by_reduce,
@@ -1526,18 +1527,12 @@ def _after_deferred_reads(ctx, args):
     tok = after_marked_reads(storage, tok, module)
     if not waits:
         return (storage, tok, *rest)
-
-    def wait(tok, *bits):
-        for b in bits:
-            tok = read_token(tok, b)
-        return [tok]
-
     tok_aval = ctx.avals_in[1]
     bits, bits_avals = zip(*waits, strict=True)
     sub = ctx.replace(
         primitive=None, avals_in=[tok_aval, *bits_avals], avals_out=[tok_aval]
     )
-    (tok,) = mlir.lower_fun(wait, multiple_results=True)(sub, tok, *bits)
+    (tok,) = mlir.lower_fun(waiting, multiple_results=True)(sub, tok, *bits)
     return (storage, tok, *rest)
 
 

@@ -994,7 +994,7 @@ def deferred_loop_read(
 _ROTATION = "esb.deferred_rotation"
 # Once materialised, an unused tuple of the storage and the rotation's mark, for
 # a function that calls an edit of the storage to wait for the rotation's readers
-# (`_user_reads_before_call`).
+# (`_reads_before_call`).
 _ROTATED = "esb.materialised_rotation"
 
 
@@ -1090,6 +1090,11 @@ _EDIT_OF = "esb.edit_of"
 _EDIT_TOKEN = "esb.edit_token"
 
 
+def _hook_after(ops: list, i: int) -> ir.Operation | None:
+    """The first edit token hook (`marked_edit`) among `ops` after the `i`-th."""
+    return next((o for o in ops[i + 1 :] if _EDIT_TOKEN in o.attributes), None)
+
+
 def marked_edit(storage: ir.Value, tok: ir.Value) -> ir.Value:
     """The token an edit of `storage` about to be lowered waits for: `tok` through
     a marked no-op `reshape` (its hook), after a marked, unused no-op `reshape` of
@@ -1120,9 +1125,7 @@ def edits_of(storage: ir.Value, operands, module) -> tuple | None:
     at = [i for i, o in enumerate(ops) if any(o == m for m in marks)]
     # Each mark's hook: the next token hook after it (a read moved before the
     # edit earlier put its wait between the two).
-    hooks = [
-        next((o for o in ops[i + 1 :] if _EDIT_TOKEN in o.attributes), None) for i in at
-    ]
+    hooks = [_hook_after(ops, i) for i in at]
     if any(h is None for h in hooks):
         return None
     anchor, before = ops[at[0]], ops[: at[0]]
@@ -1170,6 +1173,16 @@ def after_marked_reads(storage: ir.Value, tok: ir.Value, module) -> ir.Value:
     """`tok`, an edit's token, made to wait for the materialised reads of
     `storage` (`marked_read`) in the block being lowered: plus their tokens."""
     block = ir.InsertionPoint.current.block  # pyright: ignore[reportAttributeAccessIssue]
+    for read in _marked_read_tokens(storage, module, block):
+        if read.type == tok.type:
+            tok = hlo.AddOp(tok, read).result
+    return tok
+
+
+def _marked_read_tokens(storage: ir.Value, module, block) -> list:
+    """The tokens of the materialised reads of `storage` (and of the values it
+    was passed on from, `_aliases`) in `block` (`marked_read`)."""
+    found = []
     for v in _aliases(storage, module):
         for use in list(v.uses):
             op = _operation(use.owner)
@@ -1178,10 +1191,9 @@ def after_marked_reads(storage: ir.Value, tok: ir.Value, module) -> ir.Value:
                 and _READ_WAIT in op.attributes
                 and op.block == block
                 and use.operand_number == 0
-                and op.operands[1].type == tok.type
             ):
-                tok = hlo.AddOp(tok, op.operands[1]).result
-    return tok
+                found.append(op.operands[1])
+    return found
 
 
 _MARKS = (
@@ -1585,7 +1597,7 @@ def _edits_in(block, module) -> list:
 
     for i, op in enumerate(ops):
         if _EDIT_OF in op.attributes:
-            hook = next((o for o in ops[i + 1 :] if _EDIT_TOKEN in o.attributes), None)
+            hook = _hook_after(ops, i)
             if hook is not None:
                 add(op.operands[0], ("hooks", [hook]))
         elif op.name == "func.call":
@@ -1596,9 +1608,7 @@ def _edits_in(block, module) -> list:
             for k, mark in enumerate(cops):
                 if _EDIT_OF not in mark.attributes:
                     continue
-                hook = next(
-                    (o for o in cops[k + 1 :] if _EDIT_TOKEN in o.attributes), None
-                )
+                hook = _hook_after(cops, k)
                 a = _argument_number(mark.operands[0])
                 t = None if hook is None else _argument_number(_token_source(hook))
                 if a is not None and t is not None:
@@ -1625,7 +1635,7 @@ def _wait(ctx, wait: tuple, zeros: list) -> None:
         avals_out=[tok_aval],
     )
     with ir.InsertionPoint(call):
-        (new,) = mlir.lower_fun(_waiting, multiple_results=True)(sub, tok, *zeros)
+        (new,) = mlir.lower_fun(waiting, multiple_results=True)(sub, tok, *zeros)
     call.operands[t] = new
 
 
@@ -1642,8 +1652,9 @@ def _token_zero(ctx, value: ir.Value, hook: ir.Operation) -> ir.Value:
     return z
 
 
-def _waiting(tok, *values):
-    """`[tok]` plus a run-time zero made from each of `values`."""
+def waiting(tok, *values):
+    """`[tok]` plus a run-time zero made from each of `values` (`opaque_zero`),
+    for an access that must wait for them."""
     for v in values:
         tok = tok + opaque_zero(v).astype(tok.dtype)
     return [tok]
@@ -1709,11 +1720,7 @@ def _reads_before_call(ctx, kit: Kit, call: ir.Operation, storage: ir.Value) -> 
     values = [storage, *_rotations_of(storage, block)]
     with ir.InsertionPoint(call):
         found = [v for x in values for v, _ in user_reads_before(x, module)]
-    for v in _aliases(storage, module):
-        for use in v.uses:
-            op = _operation(use.owner)
-            if op is not None and _READ_WAIT in op.attributes and op.block == block:
-                found.append(op.operands[1])
+    found += _marked_read_tokens(storage, module, block)
     for x in values:
         for v, op in _user_uses(x, module, block):
             if (
@@ -1745,11 +1752,7 @@ def _returned_read_first(ctx, kit: Kit, block, ret, storage, waits) -> list:
     if not _known_dtype(storage):
         return []
     aval = _aval_of(storage)
-    if not (
-        jnp.issubdtype(aval.dtype, jnp.floating)
-        or jnp.issubdtype(aval.dtype, jnp.integer)
-        or aval.dtype == jnp.bool_
-    ):
+    if jnp.issubdtype(aval.dtype, jnp.complexfloating):  # (`pick_by_max`: real)
         return []
     first = min(
         (_edit_position(w, block) for w in waits), default=len(block.operations)
@@ -1787,11 +1790,8 @@ def _returned_read_first(ctx, kit: Kit, block, ret, storage, waits) -> list:
     at = ir.InsertionPoint.at_block_begin(block)
     if owner is not None and owner.block == block:
         at = ir.InsertionPoint.after(owner)
-    bits_aval = ShapedArray(
-        aval.shape,
-        jnp.dtype(jnp.bool_) if aval.dtype == jnp.bool_ else bits_dtype(aval.dtype),
-    )
-    sub = ctx.replace(primitive=None, avals_in=[aval], avals_out=[aval, bits_aval])
+    avals_out = [ShapedArray(a.shape, a.dtype) for a in jax.eval_shape(_snapshot, aval)]
+    sub = ctx.replace(primitive=None, avals_in=[aval], avals_out=avals_out)
     with at:
         copy, bits = mlir.lower_fun(_snapshot, multiple_results=True)(sub, storage)
     for op, k in wholes:
@@ -2011,7 +2011,7 @@ def _materialise(ctx, mark: ir.Operation, reduced: Callable, token_after: Callab
     with ir.InsertionPoint(hook):
         (new_tok,) = mlir.lower_fun(waited, multiple_results=True)(sub, tok, bits)
         # (For an edit in a function called after it, whose caller passes in
-        # the buffer's token, not this read's: `_user_reads_before_call`.)
+        # the buffer's token, not this read's: `_reads_before_call`.)
         marked_read(storage, new_tok)
     hook.operands[0] = new_tok
     del hook.attributes[_READ_TOKEN]

@@ -783,24 +783,16 @@ HISTORY_SHAPES = [(64, 512), (8, 16, 64), (2, 4096)]
 def _history_loss(shape, dtype, lib: bool = True, scan=lax.scan):
     lead = (0,) * (len(shape) - 2)
 
+    ops = natural.ESB if lib else natural.PLAIN
+
     def loss(s, a, xs):
         def step(b, x):
             i, v = x
             at = lead + (i % shape[-2], i % shape[-1])
-            new = jnp.sin(v * s).astype(dtype)
-            if lib:
-                return b.insert(at, new), b.array
-            line = b[at[:-1]]
-            line = jnp.where(
-                jnp.arange(shape[-1]) < at[-1],
-                line,
-                jnp.where(jnp.arange(shape[-1]) == at[-1], new, jnp.roll(line, 1)),
-            )
-            return b.at[at[:-1]].set(line), b
+            return ops.insert(b, at, jnp.sin(v * s).astype(dtype)), ops.unwrap(b)
 
-        b0 = esb.ShiftBuffer(a, axis=len(shape) - 1) if lib else a
-        b, ys = scan(step, b0, xs)
-        final = b.array if lib else b
+        b, ys = scan(step, ops.wrap(a, len(shape) - 1), xs)
+        final = ops.unwrap(b)
         return (final.astype(jnp.float32) ** 2).sum() + ys.astype(jnp.float32).sum()
 
     xs = (jnp.arange(STEPS, dtype=jnp.int32) * 37, jnp.linspace(0.1, 1.0, STEPS))
