@@ -189,6 +189,7 @@ from ._xla import (
     rotated_on_zeros,
     rotated_window,
     rotation_in_a_branch,
+    rotation_key,
     run_time_indices,
     run_time_values,
     split_over_devices,
@@ -1966,13 +1967,14 @@ rotate_p.def_impl(
 rotate_p.def_abstract_eval(_rotate_abstract)
 
 
-def _rotated_in_branch(x, shift, *, axis):
-    """A ring's contents, rotated in a conditional (`in_branch`; they are a new
-    array either way), which XLA writes out once instead of fusing it into its
-    readers. A head XLA finds constant (only window writes edit the ring) folds
-    the conditional away, and the rotation with it (`_rotate_impl`)."""
+def _rotated_in_branch(x, shift, key=None, *, axis):
+    """A ring's contents, rotated in a conditional (`in_branch`, keyed on `key`,
+    by default `shift`; they are a new array either way), which XLA writes out
+    once instead of fusing it into its readers. A head XLA finds constant (only
+    window writes edit the ring) folds the conditional away, and the rotation
+    with it (`_rotate_impl`), unless the key is rekeyed (`_xla.rotation_key`)."""
     rotate = lambda x, shift: _rotate_impl(x, shift, axis=axis, contents=True)
-    return in_branch(rotate, shift, x, shift)
+    return in_branch(rotate, shift if key is None else key, x, shift)
 
 
 def _rotate_lowering(ctx, x, shift, *, axis, contents=False, ordered=False):
@@ -2035,10 +2037,17 @@ def _rotate_lowering(ctx, x, shift, *, axis, contents=False, ordered=False):
         return mlir.lower_fun(impl, multiple_results=False)(ctx, x, shift)
     # A read the next edit waits for (`after_p`): in a conditional if an edit
     # follows it (`deferred_rotation`), lowered beside it.
-    both = lambda x, shift: [impl(x, shift), _rotated_in_branch(x, shift, axis=axis)]
-    rotated, in_a_branch = mlir.lower_fun(both, multiple_results=True)(ctx, x, shift)
+    key = rotation_key(shift)
+    both = lambda x, shift, key: [
+        impl(x, shift),
+        _rotated_in_branch(x, shift, key, axis=axis),
+    ]
+    sub = ctx.replace(avals_in=[*ctx.avals_in, ctx.avals_in[1]])
+    rotated, in_a_branch = mlir.lower_fun(both, multiple_results=True)(
+        sub, x, shift, key
+    )
     lowered_once_per_call(ctx)
-    return [deferred_rotation(x, rotated, in_a_branch)]
+    return [deferred_rotation(x, rotated, in_a_branch, key)]
 
 
 # Not cacheable: JAX would lower it in a function of its own, whose operand is an

@@ -998,10 +998,33 @@ _ROTATION = "esb.deferred_rotation"
 _ROTATED = "esb.materialised_rotation"
 
 
-def deferred_rotation(x: ir.Value, rotated: ir.Value, in_a_branch: ir.Value):
+# The key of a rotation in a conditional (`deferred_rotation`'s `in_a_branch`): its
+# shift, through a marked no-op `reshape`. Where XLA finds the head constant (a
+# ring that only window writes or middle inserts edit), the conditional folds
+# away, and the rotation with it: the contents are the storage itself. Where the
+# function returns them (`lax.scan`'s residual of a whole read before an insert,
+# `copy_sweep.py`'s `all_ins`), the stacking then read the storage after the
+# edit's write in place, and XLA copied the buffer (1 a step under `grad`, 2 under
+# `vmap(grad)`). `_rekeyed` then keys it on the storage too, which XLA cannot
+# fold: the rotation stays a new array, the snapshot the return needs, where it
+# costs nothing more wherever the head moves.
+_ROTATION_KEY = "esb.rotation_key"
+
+
+def rotation_key(shift: ir.Value) -> ir.Value:
+    """`shift`, through a marked no-op `reshape`, as the key of a rotation in a
+    conditional (`_ROTATION_KEY`)."""
+    hook = hlo.ReshapeOp(shift.type, shift)
+    hook.operation.attributes[_ROTATION_KEY] = ir.UnitAttr.get()
+    return hook.result
+
+
+def deferred_rotation(
+    x: ir.Value, rotated: ir.Value, in_a_branch: ir.Value, key: ir.Value
+):
     """`rotated`, a rotation of `x`, marked so that an edit of `x` that follows it
-    replaces it by `in_a_branch`, the same rotation in a conditional
-    (`_materialise`)."""
+    replaces it by `in_a_branch`, the same rotation in a conditional keyed on
+    `key` (`rotation_key`, `_materialise`)."""
     # Under `vmap`, `x` is each batch element's whole buffer, the storage with a
     # unit dimension added, then dropped (`_primitives._each_element_whole`): the
     # storage is what its edit is of.
@@ -1018,7 +1041,7 @@ def deferred_rotation(x: ir.Value, rotated: ir.Value, in_a_branch: ir.Value):
         x = op.operands[0]
     mark = hlo.ReshapeOp(rotated.type, rotated)
     mark.operation.attributes[_DEFERRED_READ] = ir.UnitAttr.get()
-    info = hlo.TupleOp([x, mark.result, in_a_branch])
+    info = hlo.TupleOp([x, mark.result, in_a_branch, key])
     info.operation.attributes[_ROTATION] = ir.UnitAttr.get()
     return mark.result
 
@@ -1768,12 +1791,18 @@ def _returned_read_first(ctx, kit: Kit, block, ret, storage, waits) -> list:
         early = owner is None or owner.block != block or _position(owner, block) < first
         (views if early else late).append(v)
     wholes, slices = _returned_uses(ret, views, block, stop=late)
+    out = []
     # A ring's `.array` is a rotation of its storage, a new array except where XLA
     # finds the head constant 0 and drops it: its returned slices are read as
     # windows too. (Not the whole rotation, which a snapshot would write out a
     # second time wherever the head moves, a delay line's.)
-    slices += _returned_uses(ret, _rotations_of(storage, block), block)[1]
-    out = []
+    for rotated in _rotations_of(storage, block):
+        rot_wholes, rot_slices = _returned_uses(ret, [rotated], block)
+        slices += rot_slices
+        if rot_wholes and _rekeyed(ctx, rotated, storage):
+            # (The token made from it, `_primitives._after_impl`, is folded
+            # where XLA finds the head 0.)
+            out.append(rotated)
     for op in slices:
         sizes = tuple(_aval_of(op.result).shape)
         if _position(op, block) < first and kit.can_reduce(
@@ -1801,6 +1830,30 @@ def _returned_read_first(ctx, kit: Kit, block, ret, storage, waits) -> list:
                 v = hlo.ReshapeOp(op.operands[k].type, copy).result
         op.operands[k] = v
     return [*out, bits]
+
+
+def _rekeyed(ctx, rotated: ir.Value, storage: ir.Value) -> bool:
+    """Key the conditional of the materialised rotation of `storage` whose mark's
+    value is `rotated` (`_ROTATED`) on `storage` too, which XLA cannot fold
+    (`_ROTATION_KEY`); whether it was one."""
+    mark = _operation(rotated.owner)
+    done = None if mark is None else _info(mark, _ROTATED)
+    if done is None or len(done.operands) < 3:
+        return False
+    hook = _operation(done.operands[2].owner)
+    if hook is None or _ROTATION_KEY not in hook.attributes:
+        return False
+    del hook.attributes[_ROTATION_KEY]  # (once)
+    shift = hook.operands[0]
+    aval = _aval_of(shift)
+    sub = ctx.replace(
+        primitive=None, avals_in=[aval, _aval_of(storage)], avals_out=[aval]
+    )
+    keyed = lambda s, x: [s + opaque_zero(x).astype(s.dtype)]
+    with ir.InsertionPoint(hook):
+        (key,) = mlir.lower_fun(keyed, multiple_results=True)(sub, shift, storage)
+    hook.operands[0] = key
+    return True
 
 
 def _position(op: ir.Operation, block) -> int:
@@ -1941,7 +1994,9 @@ def _materialise(ctx, mark: ir.Operation, reduced: Callable, token_after: Callab
         mark.operands[0] = after = rotated
         del mark.attributes[_DEFERRED_READ]
         with ir.InsertionPoint(rotation):
-            done = hlo.TupleOp([rotation.operands[0], mark.result])
+            done = hlo.TupleOp(
+                [rotation.operands[0], mark.result, rotation.operands[3]]
+            )
         done.operation.attributes[_ROTATED] = ir.UnitAttr.get()
         rotation.erase()
         while (wait := _info(mark, _ROTATION_WAIT)) is not None:

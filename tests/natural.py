@@ -253,6 +253,18 @@ def _ring_array_first(ops, b, x, p):
     return b, y
 
 
+def _line_read_first(ops, b, x, p):
+    """1-D (4096,): the whole line read and weighted along it, then a traced
+    insert (a sorted list, a priority line). Only middle inserts edit it, so the
+    ring it is stored as has a head XLA finds constant 0; under `grad` the window
+    is saved as a residual."""
+    b, w = ops.read(b)
+    taps = jnp.cos(0.01 * jnp.arange(w.size, dtype=jnp.float32))
+    y = (w * taps * p["s"]).sum()
+    b = ops.insert(b, x["c"][0], jnp.sin(p["s"] * x["v"]))
+    return b, y
+
+
 def _delay_array(ops, b, x, p):
     """A delay line's `insert(0, x)`, then its newest frames as `buf.array[:4]`,
     used linearly: under `vmap`, their cotangent is the same for every element."""
@@ -664,6 +676,15 @@ ROWS = (
         "ring_array_first",
         "1-D (4096,): .array[:8] summed, then a traced insert",
         _ring_array_first,
+        (4096,),
+        0,
+        1,
+        4096,
+    ),
+    Row(
+        "line_read_first",
+        "1-D (4096,): read() weighted along the line, then a traced insert",
+        _line_read_first,
         (4096,),
         0,
         1,

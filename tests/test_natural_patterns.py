@@ -135,6 +135,13 @@ IN_PLACE = [
     ("ring_array_first", "fwd"),
     ("ring_array_first", "grad"),
     ("ring_array_first", "jvp(vmap)"),
+    # The whole line of such a ring read, then an insert: under `grad` the window
+    # is a residual, which XLA stacked from the storage after the insert; the
+    # rotation in a conditional it returns is keyed on the storage too, which XLA
+    # cannot fold (`_xla._rekeyed`): a new array, the insert waits for it. Plain
+    # `lax` copies 2 a step.
+    ("line_read_first", "grad"),
+    ("line_read_first", "vmap(grad)"),
     ("stack", "jvp(vmap)"),
     ("stack_scan", "grad"),
     ("select_stack", "grad"),
@@ -216,6 +223,7 @@ def test_no_per_iteration_copies(row, mode):
         "array_window_first",
         "array_block_first",
         "ring_array_first",
+        "line_read_first",
         "delay_whole",
         "delay_fir",
         "delay_1d",

@@ -27,7 +27,9 @@ Latest default sweep (13 shapes x 24 bodies x 7 modes, traced int32; 2026-12-07,
 commit `35332cd`): 0 on every row but `all_ins` on the five shapes of one line
 (`flat, line, col, ring, lead`: 1-2 a step under grad, vmap(grad), grad(vmap)),
 rings whose head XLA finds constant 0 read whole before an insert, the window
-saved as a residual (README, known limits). `arr_jit` (an insert in a nested
+saved as a residual. After `_xla._rekeyed` kept that rotation (2026-12-08):
+`--styles traced32,pyint --bodies all_ins,ins_all,arr_ins,arr_jit,ds_ins,win_ins,read_ins`
+(13 shapes, 182 rows): 0 on every row. `arr_jit` (an insert in a nested
 `jax.jit` after a slice of `.array` summed) copied 1-4 a step on every shape and
 mode before `_xla._reads_before_call`, and `all_ins` 1-2 on every shape under
 the three gradient modes before `_xla._snapshot_returned`.
