@@ -1694,7 +1694,7 @@ def _define(name: str, impl: Callable, abstract: Callable, n_arrays: int) -> Pri
                 params = dict(params, ring=rotated)
         onto_zeros = False
         if not many:
-            fold_cotangent_sum(ctx, args[0], _accum_unordered)
+            fold_cotangent_sum(ctx, args[0], _accum_unordered, unmarked=True)
             # (Not the window of a ring read, whose accumulation
             # `fold_cotangent_sum` would re-lower as an ordinary one; a rotated
             # window's, it re-lowers with its ring.)

@@ -405,7 +405,12 @@ def unpadded_window(ctx, args: tuple, nbatch: int) -> tuple:
     storage, tok, window, *starts = args
     pad = _operation(window.owner)
     if pad is not None and pad.name == "stablehlo.dynamic_update_slice" and starts:
-        return _window_of_update(ctx, args, pad, nbatch)
+        base, update, *at = pad.operands
+        return _window_of_update(ctx, args, base, update, at, nbatch)
+    written = None if pad is None or not starts else _scatter_as_update(pad)
+    if written is not None:
+        base, update, at = written
+        return _window_of_update(ctx, args, base, update, at, nbatch)
     if pad is None or not starts or (padding := _zero_padding(pad)) is None:
         return ctx, args
     low, high = padding
@@ -420,17 +425,124 @@ def unpadded_window(ctx, args: tuple, nbatch: int) -> tuple:
     return ctx, (storage, tok, inner, *moved)
 
 
-def _window_of_update(ctx, args: tuple, dus, nbatch: int) -> tuple:
-    """`unpadded_window` of a window that is zeros with one update written into
-    them (JAX's transpose of a `dynamic_slice`): the update itself, at the starts
-    moved by its start, clamped as `dynamic_update_slice` clamps it.
+def _scatter_as_update(op: ir.Operation) -> tuple | None:
+    """`(base, update, starts)` if `op` is a `scatter` that is a
+    `dynamic_update_slice` of `update` into `base` at `starts` (values, one each
+    dimension): one window, as large as the base in each dimension it does not
+    index, at one index clamped into range, replacing what was there. JAX's
+    transpose of a `dynamic_slice` at unbatched starts of a batch of buffers
+    under `vmap` (`lax.dynamic_slice(buf.array, ...)` at Python-int starts under
+    `vmap(grad)`: its cotangent, the update written into zeros, was added to the
+    whole batch of buffers' every step). Else None."""
+    if op.name != "stablehlo.scatter" or len(op.operands) != 3:
+        return None
+    base, indices, update = op.operands
+    dn = hlo.ScatterDimensionNumbers(op.attributes["scatter_dimension_numbers"])
+    rank = len(_aval_of(base).shape)
+    to_operand = list(dn.scattered_dims_to_operand_dims)
+    clamp = _operation(indices.owner)
+    body = op.regions[0].blocks[0]
+    ops = [o.operation for o in body.operations]
+    if (
+        len(_aval_of(update).shape) != rank
+        or list(dn.update_window_dims) != list(range(rank))
+        or list(dn.inserted_window_dims)
+        or list(dn.input_batching_dims)
+        or _aval_of(indices).shape != (len(to_operand),)
+        or dn.index_vector_dim != 0
+        or clamp is None
+        or clamp.name != "stablehlo.clamp"  # (out of range, a scatter skips it)
+        or len(ops) != 1
+        or ops[0].operands[0] != body.arguments[1]  # (replaces)
+    ):
+        return None
+    itype = ir.RankedTensorType.get([], ir.RankedTensorType(indices.type).element_type)
+    starts = []
+    for d in range(rank):
+        if d not in to_operand:
+            starts.append(mlir.ir_constant(np.asarray(0, _aval_of(indices).dtype)))
+            continue
+        j = to_operand.index(d)
+        one = hlo.SliceOp(indices, [j], [j + 1], [1]).result
+        starts.append(hlo.ReshapeOp(itype, one).result)
+    return base, update, starts
+
+
+def _scatter_per_element(op: ir.Operation) -> tuple | None:
+    """`(windows, starts)` if `op` is a `scatter` that writes, for each element `b`
+    of its operand's leading dimension, one window `update[b]` at a start clamped
+    into range, replacing what was there: JAX's transpose of a `dynamic_slice` of
+    each batch element's buffer at its own start under `vmap`
+    (`lax.dynamic_slice(buf.array, ...)` at traced starts, `vmap(grad)`). The
+    windows (`update` with a unit dimension after the first), and the starts of
+    each along every dimension of the operand (`(B,)` int32 values: `b` along
+    the first, made at the insertion point); else None."""
+    if op.name != "stablehlo.scatter" or len(op.operands) != 3:
+        return None
+    base, indices, update = op.operands
+    dn = hlo.ScatterDimensionNumbers(op.attributes["scatter_dimension_numbers"])
+    shape, ushape = _aval_of(base).shape, _aval_of(update).shape
+    rank, b = len(shape), (shape or (0,))[0]
+    to_operand = list(dn.scattered_dims_to_operand_dims)
+    clamp = _operation(indices.owner)
+    body = op.regions[0].blocks[0]
+    ops = [o.operation for o in body.operations]
+    if (
+        rank < 1
+        or len(ushape) != rank
+        or ushape[0] != b
+        or list(dn.update_window_dims) != list(range(1, rank))
+        or list(dn.inserted_window_dims)
+        or list(dn.input_batching_dims) != [0]
+        or list(dn.scatter_indices_batching_dims) != [0]
+        or 0 in to_operand
+        or _aval_of(indices).shape != (b, len(to_operand))
+        or dn.index_vector_dim != 1
+        or clamp is None
+        or clamp.name != "stablehlo.clamp"  # (out of range, a scatter skips it)
+        or len(ops) != 1
+        or ops[0].operands[0] != body.arguments[1]  # (replaces)
+    ):
+        return None
+    i32 = ir.IntegerType.get_signless(32)
+    vec = ir.RankedTensorType.get([b], i32)
+    i64 = ir.IntegerType.get_signless(64)
+    starts: list[ir.Value] = [hlo.IotaOp(vec, ir.IntegerAttr.get(i64, 0)).result]
+    for d in range(1, rank):
+        if d not in to_operand:
+            zero = mlir.ir_constant(np.zeros((b,), np.int32))
+            starts.append(zero)
+            continue
+        j = to_operand.index(d)
+        col = hlo.SliceOp(indices, [0, j], [b, j + 1], [1, 1]).result
+        col = hlo.ReshapeOp(ir.RankedTensorType.get([b], _element_type(indices)), col)
+        col = col.result
+        if _element_type(indices) != i32:
+            col = hlo.ConvertOp(vec, col).result
+        lo = mlir.ir_constant(np.zeros((b,), np.int32))
+        hi = mlir.ir_constant(np.full((b,), shape[d] - ushape[d], np.int32))
+        starts.append(hlo.ClampOp(lo, col, hi).result)
+    wtype = ir.RankedTensorType.get(
+        [b, 1, *ushape[1:]], ir.RankedTensorType(update.type).element_type
+    )
+    return hlo.ReshapeOp(wtype, update).result, starts
+
+
+def _element_type(v: ir.Value):
+    return ir.RankedTensorType(v.type).element_type
+
+
+def _window_of_update(ctx, args: tuple, base, update, at, nbatch: int) -> tuple:
+    """`unpadded_window` of a window that is zeros `base` with one `update`
+    written into them at `at` (JAX's transpose of a `dynamic_slice`): the update
+    itself, at the starts moved by its start, clamped as `dynamic_update_slice`
+    clamps it.
 
     `buf.array[r, :4]` under `grad`: as for a static slice, the whole buffer's
     cotangent was the update written into zeros, added to the buffer's cotangent
     every step (`test_scan.py`'s "array sliced after", under a checkpointed
     `esb.scan`: a zeros and an add of the whole buffer a step)."""
     storage, tok, window, *starts = args
-    base, update, *at = dus.operands
     wshape, ushape = _aval_of(window).shape, _aval_of(update).shape
     if (
         len(at) != nbatch + len(starts)
@@ -500,11 +612,14 @@ def _accumulation_marks(result: ir.Operation) -> tuple:
     return window, starts
 
 
-def fold_cotangent_sum(ctx, storage: ir.Value, accum: Callable) -> None:
+def fold_cotangent_sum(
+    ctx, storage: ir.Value, accum: Callable, unmarked: bool = False
+) -> None:
     """If `storage` is JAX's sum of a buffer `rest` and an accumulation of a window
     onto zeros (`marked_onto_zeros`), rewrite the sum, in place, into
     `accum(rest, tok, window, *starts) -> (storage, tok)` plus zeros, which XLA
-    simplifies away. The sum's value, which JAX holds, keeps its meaning.
+    simplifies away. The sum's value, which JAX holds, keeps its meaning. With
+    `unmarked`, also of a window written into zeros by JAX (`_zeros_around`).
 
     Under `vmap(grad)` the accumulation may be unbatched where `rest` is a batch
     (a whole-buffer read whose cotangent is the same for every element, as for
@@ -564,6 +679,68 @@ def fold_cotangent_sum(ctx, storage: ir.Value, accum: Callable) -> None:
         add.operands[1 - k] = new
         add.operands[k] = zeros
         return
+    for k in (0, 1) if unmarked else ():
+        rest = add.operands[1 - k]
+        owner = _operation(add.operands[k].owner)
+        if rest.type != storage.type or owner is None or owner.block != block:
+            continue
+        with ir.InsertionPoint(add):
+            found = _zeros_around(owner)
+            if found is None:
+                continue
+            window, starts = found
+            tok_aval = ShapedArray((), jnp.float32)
+            avals_in = [_aval_of(rest), tok_aval, _aval_of(window)] + [
+                _aval_of(i) for i in starts
+            ]
+            sub = ctx.replace(
+                primitive=None, avals_in=avals_in, avals_out=[avals_in[0], tok_aval]
+            )
+            fn = functools.partial(
+                accum,
+                scalars=added_in_halves_fused(window, ctx.module_context.module),
+                ring=None,
+            )
+            tok = mlir.ir_constant(jnp.float32(0))
+            new, _ = mlir.lower_fun(fn, multiple_results=True)(
+                sub, rest, tok, window, *starts
+            )
+            zero = mlir.ir_constant(jnp.zeros((), avals_in[0].dtype))
+            zeros = hlo.BroadcastInDimOp(
+                storage.type, zero, mlir.dense_int_array([])
+            ).result
+        add.operands[1 - k] = new
+        add.operands[k] = zeros
+        return
+
+
+def _zeros_around(op: ir.Operation) -> tuple | None:
+    """`(window, starts)` if `op` writes a window into zeros as large as its
+    result, at starts it clamps into range (a `dynamic_update_slice`, a `scatter`
+    that is one, `_scatter_as_update`) or pads a window with zeros (a static
+    slice's transpose): the window, and its start along every dimension (int32
+    values, clamped), made at the insertion point; else None."""
+    if op.name == "stablehlo.dynamic_update_slice":
+        base, update, *at = op.operands
+    elif (written := _scatter_as_update(op)) is not None:
+        base, update, at = written
+    elif (written := _scatter_per_element(op)) is not None:
+        return written if is_zeros(op.operands[0]) else None
+    elif (padding := _zero_padding(op)) is not None:
+        i32 = lambda v: mlir.ir_constant(np.int32(v))
+        return op.operands[0], [i32(v) for v in padding[0]]
+    else:
+        return None
+    if not is_zeros(base) or len(at) != len(_aval_of(base).shape):
+        return None
+    starts = []
+    for a, n, u in zip(at, _aval_of(base).shape, _aval_of(update).shape):
+        i32 = ir.RankedTensorType.get([], ir.IntegerType.get_signless(32))
+        if ir.RankedTensorType(a.type).element_type != i32.element_type:
+            a = hlo.ConvertOp(i32, a).result
+        lo, hi = mlir.ir_constant(np.int32(0)), mlir.ir_constant(np.int32(n - u))
+        starts.append(hlo.ClampOp(lo, a, hi).result)
+    return update, starts
 
 
 def _unbroadcast(op: ir.Operation, rest: ir.Value) -> tuple:
@@ -609,7 +786,10 @@ _ELEMENTWISE = frozenset(
     f"stablehlo.{name}"
     for name in (
         "add subtract multiply divide negate abs convert select compare and or not "
-        "maximum minimum tanh exponential log sqrt rsqrt sine cosine reshape"
+        "maximum minimum tanh exponential log sqrt rsqrt sine cosine reshape "
+        # (JAX's `jax.checkpoint` passes the values it saves through a
+        # `reduce_precision` to their own type.)
+        "reduce_precision"
     ).split()
 )
 
@@ -1420,14 +1600,16 @@ def _open(block: ir.Block) -> bool:
     )
 
 
-def _all_marks(module) -> list:
+def _all_marks(module, detached: list | tuple = ()) -> list:
     """The marked windows of the deferred reads in blocks still being lowered:
     those of the functions and loop bodies whose lowering called the function being
     lowered; and those at the top of a finished function called from such a block
     (the step before this one, in a `lax.scan(..., unroll=k)`, or a `jax.jit` step
     called twice: see `lowered_once_per_call`). Reads in other finished blocks (an
     earlier loop, the forward pass of a gradient) cannot be followed by this
-    access, and are left as they are.
+    access, and are left as they are. `detached`: functions being lowered outside
+    the module, which JAX inlines into their caller once lowered
+    (`jax.checkpoint`'s: see `_function_cache`), searched too.
 
     A loop is added to the program once its body is lowered, so the calls in a
     loop body being lowered are not reachable from the module yet: a finished
@@ -1444,8 +1626,21 @@ def _all_marks(module) -> list:
         return ir.WalkResult.ADVANCE
 
     module.operation.walk(visit)
+    for func in detached:
+        if _open(func.regions[0].blocks[0]):
+            func.walk(visit)
     done = (None, "main", *called_when_done)
     return [m for m in marks if _open(m.block) or _top_of(m.block) not in done]
+
+
+def _detached(func: ir.Operation) -> bool:
+    """Whether `func` is outside any module (`jax.checkpoint`'s body, which JAX
+    lowers as a function of its own and inlines: `mlir._emit_lowering_rule_as_fun`
+    with `inline`)."""
+    try:
+        return func.parent is None
+    except ValueError:  # (the bindings raise for an operation without a parent)
+        return True
 
 
 def _top_of(block: ir.Block) -> str | None:
@@ -1507,12 +1702,20 @@ class _FunctionCache(dict):
 
 
 def _function_cache(ctx) -> _FunctionCache:
-    """The module's cache of lowered functions, made a `_FunctionCache`."""
+    """The module's cache of lowered functions, made a `_FunctionCache`, and its
+    cache of lowering rules emitted as functions (`ModuleContext.lowering_cache`:
+    `jax.checkpoint`'s, which JAX inlines from there into its caller), made one
+    sharing its pending functions."""
     module_ctx = ctx.module_context
     cache = module_ctx.cached_primitive_lowerings
     if not isinstance(cache, _FunctionCache):
         cache = _FunctionCache(cache)
         module_ctx.cached_primitive_lowerings = cache
+    rules = module_ctx.lowering_cache
+    if not isinstance(rules, _FunctionCache):
+        rules = _FunctionCache(rules)
+        module_ctx.lowering_cache = rules
+    rules.pending = cache.pending
     return cache
 
 
@@ -1554,7 +1757,11 @@ def lowered_once_per_call(ctx) -> None:
 #
 # Each access lowered at the top of a function other than the entry registers it
 # (`finished_later`), and it is finished when JAX stores it in the module's cache
-# (`_FunctionCache`); a function JAX does not cache (one with constants or named
+# (`_FunctionCache`): in its cache of functions, or of lowering rules emitted as
+# functions, where `jax.checkpoint`'s body is stored before JAX inlines it into its
+# caller (a step under `lax.scan(jax.checkpoint(step))`: its whole read before an
+# insert, saved, copied 1-2 a step under `grad`, and a helper's edit after a read,
+# 1-2 forward). A function JAX does not cache (one with constants or named
 # arguments) keeps XLA's copies.
 
 
@@ -1594,7 +1801,7 @@ def _finish(ctx, func: ir.Operation, kit: Kit) -> None:
     ret, module = ops[-1], ctx.module_context.module
     with ir.InsertionPoint(ret):
         for v in list(ret.operands):
-            fold_cotangent_sum(ctx, v, kit.accum)
+            fold_cotangent_sum(ctx, v, kit.accum, unmarked=True)
     for storage, waits in _edits_in(block, module):
         zeros = _returned_read_first(ctx, kit, block, ret, storage, waits)
         for wait in waits:
@@ -2104,7 +2311,8 @@ def materialise_deferred_reads(
         # deferred, its own access materialises it and waits for it. Taken here,
         # that access found no read to wait for, and XLA copied its buffer (a
         # token-less `dynamic_slice` then an insert, under `jvp`: 2 per step).
-        marks += [m for m in _all_marks(module) if m.block != block]
+        detached = [f for f, _, _ in _function_cache(ctx).pending if _detached(f)]
+        marks += [m for m in _all_marks(module, detached) if m.block != block]
     waits, arrays = [], []
     for mark in marks:
         if _DEFERRED_READ not in mark.attributes:  # found twice

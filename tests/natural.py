@@ -265,6 +265,28 @@ def _line_read_first(ops, b, x, p):
     return b, y
 
 
+def _array_ds_first(static):
+    """3-D `(L0, n, D)` lines along axis 1: `lax.dynamic_slice(buf.array, ...)` of a
+    `(1, 16, D)` window (at Python-int starts with `static`, else at traced ones),
+    then an insert, the window used after it. Under `vmap(grad)` its cotangent is
+    JAX's scatter of the batch of windows into zeros the size of the batch of
+    buffers."""
+
+    def step(ops, b, x, p):
+        l0, n, d = ops.shape(b)
+        if static:
+            st = (3, 5, 0)
+        else:
+            st = (x["r"][1] % l0, x["c"][1] % (n - 15), 0)
+        st = [jnp.asarray(k, jnp.int32) for k in st]
+        w = lax.dynamic_slice(b.array, st, (1, 16, d))
+        v = jnp.full((d,), jnp.sin(p["s"] * x["v"]))
+        b = ops.insert(b, (x["r"][0] % l0, x["c"][0]), v)
+        return b, (w * p["s"]).sum()
+
+    return step
+
+
 def _delay_array(ops, b, x, p):
     """A delay line's `insert(0, x)`, then its newest frames as `buf.array[:4]`,
     used linearly: under `vmap`, their cotangent is the same for every element."""
@@ -691,6 +713,25 @@ ROWS = (
         4096,
     ),
     Row(
+        "array_ds_first",
+        "(16, 64, 32) axis=1: lax.dynamic_slice(.array) at traced starts, then an "
+        "insert",
+        _array_ds_first(False),
+        (16, 64, 32),
+        1,
+        16,
+        64,
+    ),
+    Row(
+        "array_ds_pyint",
+        "the same at Python-int starts",
+        _array_ds_first(True),
+        (16, 64, 32),
+        1,
+        16,
+        64,
+    ),
+    Row(
         "delay_array",
         "delay line (1024, 32) axis=0, insert(0, x), then .array[:4]",
         _delay_array,
@@ -847,6 +888,20 @@ ROWS += (
         ROWS_BY_NAME_0["traced"],
         name="traced_remat",
         what="the traced row's step under jax.checkpoint: lax.scan(jax.checkpoint(step))",
+        scan=_rematerialised,
+        plain_scan=_rematerialised,
+    ),
+    dataclasses.replace(
+        ROWS_BY_NAME_0["whole_read_first"],
+        name="first_remat",
+        what="whole_read_first under lax.scan(jax.checkpoint(step))",
+        scan=_rematerialised,
+        plain_scan=_rematerialised,
+    ),
+    dataclasses.replace(
+        ROWS_BY_NAME_0["line_read_first"],
+        name="line_first_remat",
+        what="line_read_first under lax.scan(jax.checkpoint(step))",
         scan=_rematerialised,
         plain_scan=_rematerialised,
     ),

@@ -912,10 +912,10 @@ NESTED_READS = ["dynamic_slice", "array_slice", "array_sum", "read_whole"]
 NESTED_SHAPES = [((64, 512), 1), ((1024, 32), 0)]  # lines; one line (a ring)
 
 
-def _nested_jit_loss(read, shape, axis, jit=jax.jit):
+def _nested_jit_loss(read, shape, axis, jit=jax.jit, remat=False):
     """`(loss, args)`: a step that reads its buffer (`read`), then inserts
     through a helper wrapped by `jit` (`jax.jit`, `eqx.filter_jit`, or None: in
-    line)."""
+    line); with `remat`, the step under `jax.checkpoint`."""
     lead = (0,) * (len(shape) - 1)
     at = (lambda j: (j % shape[0], j)) if axis == 1 else (lambda j: (j,))
     helper = lambda b, j, x: b.insert(at(j), x)
@@ -939,7 +939,8 @@ def _nested_jit_loss(read, shape, axis, jit=jax.jit):
             y = (w * v).sum()
             return insert(b, i % 100, new), y
 
-        b, ys = lax.scan(step, esb.ShiftBuffer(a, axis=axis), xs)
+        body = jax.checkpoint(step) if remat else step
+        b, ys = lax.scan(body, esb.ShiftBuffer(a, axis=axis), xs)
         return (b.array**2).sum() + ys.sum()
 
     xs = (jnp.arange(STEPS, dtype=jnp.int32) * 37, jnp.linspace(0.1, 1.0, STEPS))
@@ -962,10 +963,76 @@ def test_an_edit_in_a_nested_jit_waits_for_the_reads_before_its_call(
 
 @pytest.mark.parametrize("shape, axis", NESTED_SHAPES, ids=["lines", "ring"])
 @pytest.mark.parametrize("read", NESTED_READS)
-def test_an_edit_in_a_nested_jit_has_the_values_of_one_in_line(shape, axis, read):
-    loss, args = _nested_jit_loss(read, shape, axis)
-    ref, _ = _nested_jit_loss(read, shape, axis, jit=None)
+@pytest.mark.parametrize("mode", ["fwd", "grad", "jvp"])
+def test_an_edit_in_a_nested_jit_under_checkpoint_waits_for_the_reads_before_it(
+    shape, axis, read, mode
+):
+    """The same with the step under `jax.checkpoint`, whose body JAX lowers as a
+    function outside the module and inlines into its caller: its reads are found
+    there (`_xla._all_marks`' `detached`), and it is finished before it is
+    inlined (`_xla._function_cache`). XLA copied 1-2 a step forward, 2-4 under
+    `jvp`."""
+    loss, args = _nested_jit_loss(read, shape, axis, remat=True)
+    fn = natural.program(mode, loss)
+    copies = esb.find_loop_copies(fn, *args, min_bytes=args[1].nbytes // 2)
+    assert copies == [], "\n".join(map(str, copies))
+
+
+@pytest.mark.parametrize("shape, axis", NESTED_SHAPES, ids=["lines", "ring"])
+@pytest.mark.parametrize("read", NESTED_READS)
+@pytest.mark.parametrize("remat", [False, True], ids=["scan", "checkpoint"])
+def test_an_edit_in_a_nested_jit_has_the_values_of_one_in_line(
+    shape, axis, read, remat
+):
+    loss, args = _nested_jit_loss(read, shape, axis, remat=remat)
+    ref, _ = _nested_jit_loss(read, shape, axis, jit=None, remat=remat)
     fn = jax.jit(jax.value_and_grad(loss, (0, 1)))
     want = jax.jit(jax.value_and_grad(ref, (0, 1)))(*args)
     for g, w in zip(jax.tree.leaves(fn(*args)), jax.tree.leaves(want), strict=True):
         np.testing.assert_array_equal(g, w)
+
+
+# ---------------------------------------------------------------------------
+# `lax.dynamic_slice(buf.array, ...)` before an insert, under `vmap(grad)`: JAX's
+# cotangent of the slice is a scatter of the batch of windows into zeros the size
+# of the batch of buffers, added to the buffers' cotangent; it is folded into an
+# accumulation of each element's window (`_xla._zeros_around`). At Python-int
+# starts on a buffer of three dimensions, XLA wrote that sum out of place: a copy
+# a step (batches of 2; `copy_sweep.py`'s `arrds_ins` on `mid3` and `four`).
+
+
+def _array_ds_then_insert_loss(static, shape):
+    def loss(s, a, xs):
+        def step(b, x):
+            i, j, v = x
+            st = (3, 5, 0) if static else (i % shape[0], j % (shape[1] - 15), 0)
+            w = lax.dynamic_slice(
+                b.array, [jnp.asarray(k, jnp.int32) for k in st], (1, 16, shape[2])
+            )
+            b = b.insert((i % shape[0], j % shape[1]), jnp.full(shape[2:], v * s))
+            return b, (w * v).sum()
+
+        b, ys = lax.scan(step, esb.ShiftBuffer(a, axis=1), xs)
+        return (b.array**2).sum() + ys.sum()
+
+    return loss
+
+
+@pytest.mark.parametrize("static", [True, False], ids=["pyint", "traced"])
+@pytest.mark.parametrize("batch", [2, 4])
+def test_a_dynamic_slice_of_array_then_an_insert_is_in_place_under_vmap_grad(
+    static, batch
+):
+    shape = (16, 64, 32)
+    loss = _array_ds_then_insert_loss(static, shape)
+    fn = jax.vmap(jax.grad(loss, (0, 1)), in_axes=(None, None, 0))
+    xs = (
+        jnp.arange(batch * STEPS, dtype=jnp.int32).reshape(batch, STEPS) * 37,
+        jnp.arange(batch * STEPS, dtype=jnp.int32).reshape(batch, STEPS) * 91,
+        jnp.linspace(0.1, 1.0, batch * STEPS).reshape(batch, STEPS),
+    )
+    a = jnp.cos(jnp.arange(math.prod(shape), dtype=jnp.float32)).reshape(shape)
+    args = (jnp.float32(0.5), a, xs)
+    copies = esb.find_loop_copies(fn, *args, min_bytes=a.nbytes // 2)
+    assert copies == [], "\n".join(map(str, copies))
+    assert loop_buffer_work(fn, args, batch * math.prod(shape)) == []
