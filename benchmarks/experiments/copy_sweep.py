@@ -23,13 +23,21 @@ along the shift axis (traced from the scan's inputs, or Python / NumPy ints) and
     python benchmarks/experiments/copy_sweep.py --shapes last3 --bodies ins_del --detail
 
 All shapes with traced int32 take about 25 minutes on the project's 2-core CPU.
-Latest default sweep (13 shapes x 24 bodies x 7 modes, traced int32; 2026-12-07,
-commit `35332cd`): 0 on every row but `all_ins` on the five shapes of one line
-(`flat, line, col, ring, lead`: 1-2 a step under grad, vmap(grad), grad(vmap)),
-rings whose head XLA finds constant 0 read whole before an insert, the window
-saved as a residual. After `_xla._rekeyed` kept that rotation (2026-12-08):
-`--styles traced32,pyint --bodies all_ins,ins_all,arr_ins,arr_jit,ds_ins,win_ins,read_ins`
-(13 shapes, 182 rows): 0 on every row. `arr_jit` (an insert in a nested
+Latest default sweep (13 shapes x 24 bodies x 7 modes, traced int32; 2026-12-08,
+commit `b2c531d`): 0 on all 312 rows. Before it, on `35332cd`: 0 on every row
+but `all_ins` on the five shapes of one line (`flat, line, col, ring, lead`: 1-2
+a step under grad, vmap(grad), grad(vmap)), rings whose head XLA finds constant
+0 read whole before an insert, the window saved as a residual, until
+`_xla._rekeyed` kept that rotation (`--styles traced32,pyint --bodies
+all_ins,ins_all,arr_ins,arr_jit,ds_ins,win_ins,read_ins`, 13 shapes, 182 rows: 0
+on every row). `--kind remat` (`flat, ring, three, mid3, lead, two`,
+`traced32,pyint`, 288 rows), 2026-12-08: on `6d7e197`, `all_ins`, `arr_ins` (1-2
+under the gradient modes), `read_jit` and `arr_jit` (1-4 forward, jvp and under
+vmap(grad)) copied on `flat` and `ring` (`jax.checkpoint`'s body is emitted
+outside the module and inlined: not finished, and its reads not found by a
+helper's edit); after `b2c531d`, 0 on every row but `arrds_ins` at Python ints
+on `mid3` under vmap(grad) (1), which the same commit fixes (`--shapes
+mid3,four,two,flat --bodies arrds_ins --styles pyint,traced32`: 0). `arr_jit` (an insert in a nested
 `jax.jit` after a slice of `.array` summed) copied 1-4 a step on every shape and
 mode before `_xla._reads_before_call`, and `all_ins` 1-2 on every shape under
 the three gradient modes before `_xla._snapshot_returned`.
