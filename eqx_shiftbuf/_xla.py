@@ -407,10 +407,6 @@ def unpadded_window(ctx, args: tuple, nbatch: int) -> tuple:
     if pad is not None and pad.name == "stablehlo.dynamic_update_slice" and starts:
         base, update, *at = pad.operands
         return _window_of_update(ctx, args, base, update, at, nbatch)
-    written = None if pad is None or not starts else _scatter_as_update(pad)
-    if written is not None:
-        base, update, at = written
-        return _window_of_update(ctx, args, base, update, at, nbatch)
     if pad is None or not starts or (padding := _zero_padding(pad)) is None:
         return ctx, args
     low, high = padding
@@ -715,24 +711,21 @@ def fold_cotangent_sum(
 
 
 def _zeros_around(op: ir.Operation) -> tuple | None:
-    """`(window, starts)` if `op` writes a window into zeros as large as its
-    result, at starts it clamps into range (a `dynamic_update_slice`, a `scatter`
-    that is one, `_scatter_as_update`) or pads a window with zeros (a static
-    slice's transpose): the window, and its start along every dimension (int32
-    values, clamped), made at the insertion point; else None."""
-    if op.name == "stablehlo.dynamic_update_slice":
-        base, update, *at = op.operands
-    elif (written := _scatter_as_update(op)) is not None:
-        base, update, at = written
-    elif (written := _scatter_per_element(op)) is not None:
-        return written if is_zeros(op.operands[0]) else None
-    elif (padding := _zero_padding(op)) is not None:
-        i32 = lambda v: mlir.ir_constant(np.int32(v))
-        return op.operands[0], [i32(v) for v in padding[0]]
-    else:
+    """`(window, starts)` if `op` is JAX's scatter of windows into zeros as large
+    as its result, at starts clamped into range, replacing what was there: one
+    window (`_scatter_as_update`), or one for each element of the leading
+    dimension (`_scatter_per_element`). The windows, and their starts along
+    every dimension (int32 values, clamped; `(B,)` arrays for the second), made
+    at the insertion point; else None. (A `dynamic_update_slice` or pad into
+    zeros is a library read's cotangent, accumulated where it is made:
+    `unpadded_window`.)"""
+    if op.name != "stablehlo.scatter" or not is_zeros(op.operands[0]):
         return None
-    if not is_zeros(base) or len(at) != len(_aval_of(base).shape):
+    if (per_element := _scatter_per_element(op)) is not None:
+        return per_element
+    if (written := _scatter_as_update(op)) is None:
         return None
+    base, update, at = written
     starts = []
     for a, n, u in zip(at, _aval_of(base).shape, _aval_of(update).shape):
         i32 = ir.RankedTensorType.get([], ir.IntegerType.get_signless(32))
