@@ -405,8 +405,7 @@ def unpadded_window(ctx, args: tuple, nbatch: int) -> tuple:
     storage, tok, window, *starts = args
     pad = _operation(window.owner)
     if pad is not None and pad.name == "stablehlo.dynamic_update_slice" and starts:
-        base, update, *at = pad.operands
-        return _window_of_update(ctx, args, base, update, at, nbatch)
+        return _window_of_update(ctx, args, pad, nbatch)
     if pad is None or not starts or (padding := _zero_padding(pad)) is None:
         return ctx, args
     low, high = padding
@@ -421,124 +420,132 @@ def unpadded_window(ctx, args: tuple, nbatch: int) -> tuple:
     return ctx, (storage, tok, inner, *moved)
 
 
+def _replacing_scatter(op: ir.Operation) -> tuple | None:
+    """`(base, indices, update, dimension numbers)` if `op` is a `scatter` of one
+    update into one operand, at indices JAX clamped into range (out of range, a
+    scatter skips a window where `dynamic_update_slice` clamps it), replacing
+    what was there; else None."""
+    if op.name != "stablehlo.scatter" or len(op.operands) != 3:
+        return None
+    base, indices, update = op.operands
+    clamp = _operation(indices.owner)
+    body = [o.operation for o in op.regions[0].blocks[0].operations]
+    if (
+        clamp is None
+        or clamp.name != "stablehlo.clamp"
+        or len(body) != 1
+        or body[0].operands[0] != op.regions[0].blocks[0].arguments[1]
+    ):
+        return None
+    dn = hlo.ScatterDimensionNumbers(op.attributes["scatter_dimension_numbers"])
+    return base, indices, update, dn
+
+
+def _clamped_starts(indices, to_operand, shape, ushape, lead: tuple) -> list:
+    """The starts along each dimension `d` of `shape` past the `len(lead)` given
+    in `lead`, of a window of `ushape` whose starts along `to_operand` are the
+    last dimension of `indices` (zero along the others), clamped into range as
+    `dynamic_update_slice` clamps them: int32 values of `indices`' shape but its
+    last dimension."""
+    ishape = list(_aval_of(indices).shape[:-1])
+    i32 = ir.IntegerType.get_signless(32)
+    itype = ir.RankedTensorType.get(ishape, i32)
+    starts = list(lead)
+    for d in range(len(lead), len(shape)):
+        if d not in to_operand:
+            starts.append(mlir.ir_constant(np.zeros(ishape, np.int32)))
+            continue
+        j = to_operand.index(d)
+        col = hlo.SliceOp(
+            indices, [0] * len(ishape) + [j], [*ishape, j + 1], [1] * (len(ishape) + 1)
+        ).result
+        element = ir.RankedTensorType(indices.type).element_type
+        col = hlo.ReshapeOp(ir.RankedTensorType.get(ishape, element), col).result
+        if element != i32:
+            col = hlo.ConvertOp(itype, col).result
+        lo = mlir.ir_constant(np.zeros(ishape, np.int32))
+        hi = mlir.ir_constant(np.full(ishape, shape[d] - ushape[d], np.int32))
+        starts.append(hlo.ClampOp(lo, col, hi).result)
+    return starts
+
+
 def _scatter_as_update(op: ir.Operation) -> tuple | None:
-    """`(base, update, starts)` if `op` is a `scatter` that is a
-    `dynamic_update_slice` of `update` into `base` at `starts` (values, one each
-    dimension): one window, as large as the base in each dimension it does not
-    index, at one index clamped into range, replacing what was there. JAX's
+    """`(update, starts)` if `op` is a `scatter` that is a `dynamic_update_slice`
+    of `update` (`_replacing_scatter`): one window, as large as the operand in
+    each dimension it does not index, at one index. Its starts along every
+    dimension are int32 values, clamped, made at the insertion point. JAX's
     transpose of a `dynamic_slice` at unbatched starts of a batch of buffers
     under `vmap` (`lax.dynamic_slice(buf.array, ...)` at Python-int starts under
     `vmap(grad)`: its cotangent, the update written into zeros, was added to the
     whole batch of buffers' every step). Else None."""
-    if op.name != "stablehlo.scatter" or len(op.operands) != 3:
+    found = _replacing_scatter(op)
+    if found is None:
         return None
-    base, indices, update = op.operands
-    dn = hlo.ScatterDimensionNumbers(op.attributes["scatter_dimension_numbers"])
-    rank = len(_aval_of(base).shape)
+    base, indices, update, dn = found
+    shape, ushape = _aval_of(base).shape, _aval_of(update).shape
     to_operand = list(dn.scattered_dims_to_operand_dims)
-    clamp = _operation(indices.owner)
-    body = op.regions[0].blocks[0]
-    ops = [o.operation for o in body.operations]
     if (
-        len(_aval_of(update).shape) != rank
-        or list(dn.update_window_dims) != list(range(rank))
+        len(ushape) != len(shape)
+        or list(dn.update_window_dims) != list(range(len(shape)))
         or list(dn.inserted_window_dims)
         or list(dn.input_batching_dims)
         or _aval_of(indices).shape != (len(to_operand),)
         or dn.index_vector_dim != 0
-        or clamp is None
-        or clamp.name != "stablehlo.clamp"  # (out of range, a scatter skips it)
-        or len(ops) != 1
-        or ops[0].operands[0] != body.arguments[1]  # (replaces)
     ):
         return None
-    itype = ir.RankedTensorType.get([], ir.RankedTensorType(indices.type).element_type)
-    starts = []
-    for d in range(rank):
-        if d not in to_operand:
-            starts.append(mlir.ir_constant(np.asarray(0, _aval_of(indices).dtype)))
-            continue
-        j = to_operand.index(d)
-        one = hlo.SliceOp(indices, [j], [j + 1], [1]).result
-        starts.append(hlo.ReshapeOp(itype, one).result)
-    return base, update, starts
+    return update, _clamped_starts(indices, to_operand, shape, ushape, ())
 
 
 def _scatter_per_element(op: ir.Operation) -> tuple | None:
     """`(windows, starts)` if `op` is a `scatter` that writes, for each element `b`
-    of its operand's leading dimension, one window `update[b]` at a start clamped
-    into range, replacing what was there: JAX's transpose of a `dynamic_slice` of
-    each batch element's buffer at its own start under `vmap`
-    (`lax.dynamic_slice(buf.array, ...)` at traced starts, `vmap(grad)`). The
-    windows (`update` with a unit dimension after the first), and the starts of
-    each along every dimension of the operand (`(B,)` int32 values: `b` along
-    the first, made at the insertion point); else None."""
-    if op.name != "stablehlo.scatter" or len(op.operands) != 3:
+    of its operand's leading dimension, one window `update[b]`
+    (`_replacing_scatter`): JAX's transpose of a `dynamic_slice` of each batch
+    element's buffer at its own start under `vmap` (`lax.dynamic_slice(buf.array,
+    ...)` at traced starts, `vmap(grad)`). The windows (`update` with a unit
+    dimension after the first), and the starts of each along every dimension of
+    the operand (`(B,)` int32 values, clamped: `b` along the first, made at the
+    insertion point); else None."""
+    found = _replacing_scatter(op)
+    if found is None:
         return None
-    base, indices, update = op.operands
-    dn = hlo.ScatterDimensionNumbers(op.attributes["scatter_dimension_numbers"])
+    base, indices, update, dn = found
     shape, ushape = _aval_of(base).shape, _aval_of(update).shape
-    rank, b = len(shape), (shape or (0,))[0]
+    b = (shape or (0,))[0]
     to_operand = list(dn.scattered_dims_to_operand_dims)
-    clamp = _operation(indices.owner)
-    body = op.regions[0].blocks[0]
-    ops = [o.operation for o in body.operations]
     if (
-        rank < 1
-        or len(ushape) != rank
+        len(shape) < 1
+        or len(ushape) != len(shape)
         or ushape[0] != b
-        or list(dn.update_window_dims) != list(range(1, rank))
+        or list(dn.update_window_dims) != list(range(1, len(shape)))
         or list(dn.inserted_window_dims)
         or list(dn.input_batching_dims) != [0]
         or list(dn.scatter_indices_batching_dims) != [0]
         or 0 in to_operand
         or _aval_of(indices).shape != (b, len(to_operand))
         or dn.index_vector_dim != 1
-        or clamp is None
-        or clamp.name != "stablehlo.clamp"  # (out of range, a scatter skips it)
-        or len(ops) != 1
-        or ops[0].operands[0] != body.arguments[1]  # (replaces)
     ):
         return None
-    i32 = ir.IntegerType.get_signless(32)
-    vec = ir.RankedTensorType.get([b], i32)
+    vec = ir.RankedTensorType.get([b], ir.IntegerType.get_signless(32))
     i64 = ir.IntegerType.get_signless(64)
-    starts: list[ir.Value] = [hlo.IotaOp(vec, ir.IntegerAttr.get(i64, 0)).result]
-    for d in range(1, rank):
-        if d not in to_operand:
-            zero = mlir.ir_constant(np.zeros((b,), np.int32))
-            starts.append(zero)
-            continue
-        j = to_operand.index(d)
-        col = hlo.SliceOp(indices, [0, j], [b, j + 1], [1, 1]).result
-        col = hlo.ReshapeOp(ir.RankedTensorType.get([b], _element_type(indices)), col)
-        col = col.result
-        if _element_type(indices) != i32:
-            col = hlo.ConvertOp(vec, col).result
-        lo = mlir.ir_constant(np.zeros((b,), np.int32))
-        hi = mlir.ir_constant(np.full((b,), shape[d] - ushape[d], np.int32))
-        starts.append(hlo.ClampOp(lo, col, hi).result)
+    first = hlo.IotaOp(vec, ir.IntegerAttr.get(i64, 0)).result
+    starts = _clamped_starts(indices, to_operand, shape, ushape, (first,))
     wtype = ir.RankedTensorType.get(
         [b, 1, *ushape[1:]], ir.RankedTensorType(update.type).element_type
     )
     return hlo.ReshapeOp(wtype, update).result, starts
 
 
-def _element_type(v: ir.Value):
-    return ir.RankedTensorType(v.type).element_type
-
-
-def _window_of_update(ctx, args: tuple, base, update, at, nbatch: int) -> tuple:
-    """`unpadded_window` of a window that is zeros `base` with one `update`
-    written into them at `at` (JAX's transpose of a `dynamic_slice`): the update
-    itself, at the starts moved by its start, clamped as `dynamic_update_slice`
-    clamps it.
+def _window_of_update(ctx, args: tuple, dus, nbatch: int) -> tuple:
+    """`unpadded_window` of a window that is zeros with one update written into
+    them (JAX's transpose of a `dynamic_slice`): the update itself, at the starts
+    moved by its start, clamped as `dynamic_update_slice` clamps it.
 
     `buf.array[r, :4]` under `grad`: as for a static slice, the whole buffer's
     cotangent was the update written into zeros, added to the buffer's cotangent
     every step (`test_scan.py`'s "array sliced after", under a checkpointed
     `esb.scan`: a zeros and an add of the whole buffer a step)."""
     storage, tok, window, *starts = args
+    base, update, *at = dus.operands
     wshape, ushape = _aval_of(window).shape, _aval_of(update).shape
     if (
         len(at) != nbatch + len(starts)
@@ -649,31 +656,10 @@ def fold_cotangent_sum(
             if _ROTATED_AXIS in window_op.attributes
             else None
         )
-        tok_aval = ShapedArray((), jnp.float32)
         with ir.InsertionPoint(add):
             if lead:
                 window, starts = _broadcast_window(window, starts, rest, lead)
-            avals_in = [_aval_of(rest), tok_aval, _aval_of(window)] + [
-                _aval_of(i) for i in starts
-            ]
-            sub = ctx.replace(
-                primitive=None, avals_in=avals_in, avals_out=[avals_in[0], tok_aval]
-            )
-            fn = functools.partial(
-                accum,
-                scalars=added_in_halves_fused(window, ctx.module_context.module),
-                ring=ring,
-            )
-            tok = mlir.ir_constant(jnp.float32(0))
-            new, _ = mlir.lower_fun(fn, multiple_results=True)(
-                sub, rest, tok, window, *starts
-            )
-            zero = mlir.ir_constant(jnp.zeros((), avals_in[0].dtype))
-            zeros = hlo.BroadcastInDimOp(
-                storage.type, zero, mlir.dense_int_array([])
-            ).result
-        add.operands[1 - k] = new
-        add.operands[k] = zeros
+            _fold(ctx, add, k, window, starts, accum, ring)
         return
     for k in (0, 1) if unmarked else ():
         rest = add.operands[1 - k]
@@ -682,58 +668,46 @@ def fold_cotangent_sum(
             continue
         with ir.InsertionPoint(add):
             found = _zeros_around(owner)
-            if found is None:
-                continue
-            window, starts = found
-            tok_aval = ShapedArray((), jnp.float32)
-            avals_in = [_aval_of(rest), tok_aval, _aval_of(window)] + [
-                _aval_of(i) for i in starts
-            ]
-            sub = ctx.replace(
-                primitive=None, avals_in=avals_in, avals_out=[avals_in[0], tok_aval]
-            )
-            fn = functools.partial(
-                accum,
-                scalars=added_in_halves_fused(window, ctx.module_context.module),
-                ring=None,
-            )
-            tok = mlir.ir_constant(jnp.float32(0))
-            new, _ = mlir.lower_fun(fn, multiple_results=True)(
-                sub, rest, tok, window, *starts
-            )
-            zero = mlir.ir_constant(jnp.zeros((), avals_in[0].dtype))
-            zeros = hlo.BroadcastInDimOp(
-                storage.type, zero, mlir.dense_int_array([])
-            ).result
-        add.operands[1 - k] = new
-        add.operands[k] = zeros
-        return
+            if found is not None:
+                window, starts = found
+                _fold(ctx, add, k, window, starts, accum, None)
+                return
+
+
+def _fold(ctx, add: ir.Operation, k: int, window, starts, accum, ring) -> None:
+    """Rewrite `add`, a sum of a buffer and (its `k`-th operand) `window` at
+    `starts` on zeros, into `accum` of the window into the buffer plus zeros
+    (`fold_cotangent_sum`), at the insertion point."""
+    rest = add.operands[1 - k]
+    tok_aval = ShapedArray((), jnp.float32)
+    avals_in = [_aval_of(rest), tok_aval, _aval_of(window)] + [
+        _aval_of(i) for i in starts
+    ]
+    sub = ctx.replace(
+        primitive=None, avals_in=avals_in, avals_out=[avals_in[0], tok_aval]
+    )
+    fn = functools.partial(
+        accum,
+        scalars=added_in_halves_fused(window, ctx.module_context.module),
+        ring=ring,
+    )
+    tok = mlir.ir_constant(jnp.float32(0))
+    new, _ = mlir.lower_fun(fn, multiple_results=True)(sub, rest, tok, window, *starts)
+    zero = mlir.ir_constant(jnp.zeros((), avals_in[0].dtype))
+    zeros = hlo.BroadcastInDimOp(add.result.type, zero, mlir.dense_int_array([]))
+    add.operands[1 - k] = new
+    add.operands[k] = zeros.result
 
 
 def _zeros_around(op: ir.Operation) -> tuple | None:
     """`(window, starts)` if `op` is JAX's scatter of windows into zeros as large
-    as its result, at starts clamped into range, replacing what was there: one
-    window (`_scatter_as_update`), or one for each element of the leading
-    dimension (`_scatter_per_element`). The windows, and their starts along
-    every dimension (int32 values, clamped; `(B,)` arrays for the second), made
-    at the insertion point; else None. (A `dynamic_update_slice` or pad into
-    zeros is a library read's cotangent, accumulated where it is made:
-    `unpadded_window`.)"""
+    as its result: one window (`_scatter_as_update`), or one for each element of
+    the leading dimension (`_scatter_per_element`); else None. (A
+    `dynamic_update_slice` or pad into zeros is a library read's cotangent,
+    accumulated where it is made: `unpadded_window`.)"""
     if op.name != "stablehlo.scatter" or not is_zeros(op.operands[0]):
         return None
-    if (per_element := _scatter_per_element(op)) is not None:
-        return per_element
-    if (written := _scatter_as_update(op)) is None:
-        return None
-    base, update, at = written
-    starts = []
-    for a, n, u in zip(at, _aval_of(base).shape, _aval_of(update).shape):
-        i32 = ir.RankedTensorType.get([], ir.IntegerType.get_signless(32))
-        if ir.RankedTensorType(a.type).element_type != i32.element_type:
-            a = hlo.ConvertOp(i32, a).result
-        lo, hi = mlir.ir_constant(np.int32(0)), mlir.ir_constant(np.int32(n - u))
-        starts.append(hlo.ClampOp(lo, a, hi).result)
-    return update, starts
+    return _scatter_per_element(op) or _scatter_as_update(op)
 
 
 def _unbroadcast(op: ir.Operation, rest: ir.Value) -> tuple:
@@ -2038,7 +2012,7 @@ def _rekeyed(ctx, rotated: ir.Value, storage: ir.Value) -> bool:
     (`_ROTATION_KEY`); whether it was one."""
     mark = _operation(rotated.owner)
     done = None if mark is None else _info(mark, _ROTATED)
-    if done is None or len(done.operands) < 3:
+    if done is None:
         return False
     hook = _operation(done.operands[2].owner)
     if hook is None or _ROTATION_KEY not in hook.attributes:
@@ -2049,9 +2023,8 @@ def _rekeyed(ctx, rotated: ir.Value, storage: ir.Value) -> bool:
     sub = ctx.replace(
         primitive=None, avals_in=[aval, _aval_of(storage)], avals_out=[aval]
     )
-    keyed = lambda s, x: [s + opaque_zero(x).astype(s.dtype)]
     with ir.InsertionPoint(hook):
-        (key,) = mlir.lower_fun(keyed, multiple_results=True)(sub, shift, storage)
+        (key,) = mlir.lower_fun(waiting, multiple_results=True)(sub, shift, storage)
     hook.operands[0] = key
     return True
 

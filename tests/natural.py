@@ -846,6 +846,20 @@ ROWS = (
     ),
 )
 ROWS_BY_NAME_0 = {r.name: r for r in ROWS}
+
+
+def _under_checkpoint(of: str, name: str, what: str | None = None) -> Row:
+    """The row `of` with its step under `jax.checkpoint`, in the library and in
+    plain `lax`: `lax.scan(jax.checkpoint(step))`."""
+    return dataclasses.replace(
+        ROWS_BY_NAME_0[of],
+        name=name,
+        what=what or f"{of} under lax.scan(jax.checkpoint(step))",
+        scan=_rematerialised,
+        plain_scan=_rematerialised,
+    )
+
+
 ROWS += (
     dataclasses.replace(
         ROWS_BY_NAME_0["stack"],
@@ -884,34 +898,14 @@ ROWS += (
         what="delay_taps under lax.scan(..., unroll=2): two steps a loop trip",
         scan=_unrolled2,
     ),
-    dataclasses.replace(
-        ROWS_BY_NAME_0["traced"],
-        name="traced_remat",
-        what="the traced row's step under jax.checkpoint: lax.scan(jax.checkpoint(step))",
-        scan=_rematerialised,
-        plain_scan=_rematerialised,
+    _under_checkpoint(
+        "traced",
+        "traced_remat",
+        "the traced row's step under jax.checkpoint: lax.scan(jax.checkpoint(step))",
     ),
-    dataclasses.replace(
-        ROWS_BY_NAME_0["whole_read_first"],
-        name="first_remat",
-        what="whole_read_first under lax.scan(jax.checkpoint(step))",
-        scan=_rematerialised,
-        plain_scan=_rematerialised,
-    ),
-    dataclasses.replace(
-        ROWS_BY_NAME_0["line_read_first"],
-        name="line_first_remat",
-        what="line_read_first under lax.scan(jax.checkpoint(step))",
-        scan=_rematerialised,
-        plain_scan=_rematerialised,
-    ),
-    dataclasses.replace(
-        ROWS_BY_NAME_0["delay_taps"],
-        name="taps_remat",
-        what="delay_taps under lax.scan(jax.checkpoint(step))",
-        scan=_rematerialised,
-        plain_scan=_rematerialised,
-    ),
+    _under_checkpoint("whole_read_first", "first_remat"),
+    _under_checkpoint("line_read_first", "line_first_remat"),
+    _under_checkpoint("delay_taps", "taps_remat"),
 )
 ROWS_BY_NAME = {r.name: r for r in ROWS}
 
